@@ -1,0 +1,48 @@
+"""LoGRA, the method: low-rank gradient sketches, RowAdam, predicted-KL control, payloads.
+
+Pure torch: nothing here imports Ray, vLLM or Hydra.
+"""
+
+from logra_rl.logra.config import KLConfig, LoGRAConfig
+from logra_rl.logra.kl import (
+    KLController,
+    exact_kl,
+    finite_difference_kl,
+    jvp_kl,
+    predicted_kl,
+    scheduled_budget,
+    step_kl,
+    step_scale,
+)
+from logra_rl.logra.merge import PayloadMerger, PayloadRefused, apply_payload, merge_low_rank_
+from logra_rl.logra.optimizer import LoGRAOptimizer, find_targets
+from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
+from logra_rl.logra.projection import canonical_name, make_projection, projection_fingerprint, projection_seed
+from logra_rl.logra.rowadam import row_adam_direction
+
+__all__ = [
+    "KLConfig",
+    "KLController",
+    "LoGRAConfig",
+    "LoGRAOptimizer",
+    "PayloadEntry",
+    "PayloadFormatError",
+    "PayloadMerger",
+    "PayloadRefused",
+    "UpdatePayload",
+    "apply_payload",
+    "canonical_name",
+    "exact_kl",
+    "find_targets",
+    "finite_difference_kl",
+    "jvp_kl",
+    "make_projection",
+    "merge_low_rank_",
+    "predicted_kl",
+    "projection_fingerprint",
+    "projection_seed",
+    "row_adam_direction",
+    "scheduled_budget",
+    "step_kl",
+    "step_scale",
+]

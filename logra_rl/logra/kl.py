@@ -1,0 +1,227 @@
+"""Predicted-KL step control (reference §5): how far a proposed update moves the policy.
+
+A low-rank step W ← W − s·U·A changes a targeted linear's output by −s·(x·Aᵀ)·Uᵀ. The probes
+inject exactly that change into the layer outputs with forward hooks, so they never touch the
+weights:
+
+- `jvp_kl`: forward-mode AD gives the logit tangent ż along the step; the second-order KL
+  per position is Var_{v∼p}(ż_v)/(2T²), so KL(s) ≈ q·s².
+- `finite_difference_kl`: the true KL at s = ±h, q = (KL(h) + KL(−h)) / (2h²).
+- `step_kl`: the true KL of one given step (the "realised" KL of a commit).
+
+The controller turns q into a step scale α = min(α_max, √(δ_eff/q)) against a scheduled
+budget δ, reduced by the measured rollout-vs-trainer mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from logra_rl.logra.config import KLConfig
+
+# (linear module, projection A (rank × k_in), factor U (d_out × rank)): the step W ← W − U·A.
+LowRankStep = Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
+
+
+def predicted_kl(logits: torch.Tensor, tangent: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Second-order KL(π ‖ π + ε·dπ)/ε² per position (float64): ½·Var_{v∼p}(ż_v)/T²."""
+    if logits.shape != tangent.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tangent {tuple(tangent.shape)} differ in shape")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    direction = tangent.double() / temperature
+    centered = direction - (probs * direction).sum(dim=-1, keepdim=True)
+    return 0.5 * (probs * centered.square()).sum(dim=-1)
+
+
+def exact_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(p ‖ q) per position (float64) between the two tempered softmax distributions."""
+    if logits_p.shape != logits_q.shape:
+        raise ValueError(f"logits {tuple(logits_p.shape)} and {tuple(logits_q.shape)} differ in shape")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_p = torch.log_softmax(logits_p.double() / temperature, dim=-1)
+    log_q = torch.log_softmax(logits_q.double() / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def _output_change(module: nn.Module, x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor):
+    """−(x·Aᵀ)·Uᵀ in fp32 (autocast off), shaped like the layer output."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        flat = x.reshape(-1, projection.shape[1]).float()
+        change = -(flat @ projection.t().float()) @ factor.t().float()
+    return change.reshape(*x.shape[:-1], factor.shape[0])
+
+
+@contextmanager
+def _hooks(step: LowRankStep, make_hook: Callable[[torch.Tensor, torch.Tensor], Callable]) -> Iterator[None]:
+    handles = [module.register_forward_hook(make_hook(a, u)) for module, a, u in step]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _shifted(step: LowRankStep, scale: float):
+    """Hooks that turn each targeted linear into its stepped version W − scale·U·A."""
+
+    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            change = _output_change(module, args[0], projection, factor)
+            return output + (scale * change).to(output.dtype)
+
+        return hook
+
+    return _hooks(step, make_hook)
+
+
+def _tangent(step: LowRankStep):
+    """Hooks that add the step's output change to each targeted linear's forward-AD tangent."""
+
+    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            x = fwAD.unpack_dual(args[0]).primal
+            primal, tangent = fwAD.unpack_dual(output)
+            change = _output_change(module, x, projection, factor).to(primal.dtype)
+            return fwAD.make_dual(primal, change if tangent is None else tangent + change)
+
+        return hook
+
+    return _hooks(step, make_hook)
+
+
+def _target_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Logits at position p predict token p+1: count p iff token p+1 is a generated (loss) token."""
+    return loss_mask[:, 1:].bool()
+
+
+def _masked_sum(
+    per_position: Callable[[slice], torch.Tensor], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum a per-position float64 quantity over the masked positions, in chunks of positions."""
+    total = torch.zeros((), dtype=torch.float64, device=positions.device)
+    for start in range(0, positions.shape[1], POSITION_CHUNK):
+        chunk = slice(start, start + POSITION_CHUNK)
+        mask = positions[:, chunk]
+        if mask.any():
+            total += per_position(chunk)[mask].sum()
+    return total, positions.sum().to(torch.float64)
+
+
+def jvp_kl(
+    forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, step: LowRankStep, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ predicted KL, number of positions) over generated-token predictions, via forward-mode AD.
+
+    SDPA runs on its math backend: the fused CPU/GPU attention kernels have no forward-AD rule.
+    """
+    with torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), _tangent(step):
+        logits = forward(input_ids)
+        primal, tangent = fwAD.unpack_dual(logits)
+        if tangent is None:
+            raise RuntimeError(
+                "the JVP was lost between the targeted layers and the logits; does `forward` detach "
+                "activations or run the targets under a different module instance?"
+            )
+        positions = _target_positions(loss_mask)
+        return _masked_sum(lambda c: predicted_kl(primal[:, :-1][:, c], tangent[:, :-1][:, c], temperature), positions)
+
+
+def step_kl(
+    forward: LogitsFn,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step: LowRankStep,
+    temperature: float,
+    scale: float,
+    base_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model."""
+    with torch.no_grad():
+        if base_logits is None:
+            base_logits = forward(input_ids)
+        with _shifted(step, scale):
+            stepped = forward(input_ids)
+    positions = _target_positions(loss_mask)
+    return _masked_sum(lambda c: exact_kl(base_logits[:, :-1][:, c], stepped[:, :-1][:, c], temperature), positions)
+
+
+def finite_difference_kl(
+    forward: LogitsFn,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step: LowRankStep,
+    temperature: float,
+    fd_step: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ q, positions) with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term."""
+    with torch.no_grad():
+        base_logits = forward(input_ids)
+    total = torch.zeros((), dtype=torch.float64, device=base_logits.device)
+    for scale in (fd_step, -fd_step):
+        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base_logits)
+        total += kl_sum
+    return total / (2 * fd_step**2), count
+
+
+def scheduled_budget(config: KLConfig, update: int) -> float:
+    """δ for the update after `update` completed ones: cosine from budget to final_budget, or constant."""
+    if config.schedule == "constant":
+        return config.budget
+    progress = min(update / max(config.schedule_steps - 1, 1), 1.0)
+    return config.final_budget + 0.5 * (config.budget - config.final_budget) * (1 + math.cos(math.pi * progress))
+
+
+def step_scale(q: float, budget: float, alpha_max: float) -> float:
+    """α = min(α_max, √(budget/q)); q = 0 gives 1 (a zero direction); a non-finite q refuses the step."""
+    if not math.isfinite(q) or q < 0:
+        raise FloatingPointError(f"predicted KL q={q} is not a finite non-negative number; the step is refused")
+    if not (budget > 0 and alpha_max > 0 and math.isfinite(budget + alpha_max)):
+        raise ValueError(f"need budget > 0 and alpha_max > 0, got budget={budget}, alpha_max={alpha_max}")
+    if q == 0:
+        return 1.0
+    return min(alpha_max, math.sqrt(budget / q))
+
+
+class KLController:
+    """The KL budget for each update: schedule, minus the EMA of the rollout-vs-trainer gap (floored)."""
+
+    def __init__(self, config: KLConfig) -> None:
+        self.config = config
+        self.mismatch = 0.0  # EMA of max(0, mean(log π_rollout − log π_trainer)) over completed responses
+
+    def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_count: int = 0) -> float:
+        """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.
+
+        With no measured tokens this step the budget is not reduced (reference §5.5).
+        """
+        budget = scheduled_budget(self.config, update)
+        if not self.config.mismatch_subtraction or mismatch_count <= 0:
+            return budget
+        observed = mismatch_sum / mismatch_count
+        if not math.isfinite(observed):
+            raise FloatingPointError(f"rollout-vs-trainer mismatch {observed} is not finite")
+        weight = self.config.mismatch_ema_weight
+        self.mismatch = (1 - weight) * self.mismatch + weight * max(0.0, observed)
+        return max(budget - self.mismatch, self.config.mismatch_budget_floor * budget)
+
+    def alpha(self, q: float, budget: float) -> float:
+        return step_scale(q, budget, self.config.alpha_max)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mismatch": self.mismatch}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mismatch = float(state["mismatch"])

@@ -1,0 +1,162 @@
+"""Merging W ← W − U·A into weights, on the trainer (fp32 master) and on rollout copies (bf16).
+
+bf16 weights cannot absorb LoGRA-sized updates (relative ~1e-4, below half a bf16 ulp): a
+plain in-place add rounds most of them away. A rollout copy therefore keeps an error-feedback
+residual R per weight: acc = W + R − U·A in fp32, W ← round(acc), R ← acc − W. With an fp32
+residual, W + R tracks the trainer's fp32 master exactly, so W equals bf16(master) bit for bit
+(given the same U, A and row chunking as the trainer).
+
+A merge is not idempotent, so payloads are version-gated: a payload applies only on top of
+the version it was built for, and is checked completely before the first write. An error
+after the first write leaves the copy marked as needing a full resync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from logra_rl.logra.payload import UpdatePayload
+from logra_rl.logra.projection import projection_fingerprint
+
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
+
+
+class PayloadRefused(ValueError):
+    """The payload cannot be applied to these weights; nothing was written."""
+
+
+def merge_low_rank_(
+    weight: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    chunk_rows: int = 256,
+) -> None:
+    """weight ← weight − factor·projection in place, in fp32 row chunks, rounding once per element.
+
+    `factor` holds the rows of U matching `weight`'s rows; no full ΔW is ever materialised.
+    `residual` (same shape as weight) carries the rounding error of low-precision weights.
+    """
+    projection = projection.to(device=weight.device, dtype=torch.float32)
+    exact_in_place = weight.dtype == torch.float32 and residual is None
+    with torch.no_grad():
+        for start in range(0, weight.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            change = factor[rows].to(device=weight.device, dtype=torch.float32) @ projection
+            if exact_in_place:
+                weight[rows].sub_(change)
+                continue
+            target = weight[rows]
+            acc = target.to(torch.float32, copy=True)
+            if residual is not None:
+                acc += residual[rows]
+            acc -= change
+            target.copy_(acc)
+            if residual is not None:
+                residual[rows].copy_(acc - target)
+
+
+def check_payload(payload: UpdatePayload, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `weights`."""
+    if payload.base_version != version:
+        kind = "duplicate or stale" if payload.new_version <= version else "out-of-order"
+        raise PayloadRefused(
+            f"{kind} payload: it updates version {payload.base_version} -> {payload.new_version}, "
+            f"these weights are at version {version}; resync if versions diverged"
+        )
+    if not payload.entries:
+        raise PayloadRefused("payload has no entries")
+    for entry in payload.entries:
+        weight = weights.get(entry.name)
+        if weight is None:
+            raise PayloadRefused(f"payload updates {entry.name!r}, which these weights do not hold")
+        if tuple(weight.shape) != (entry.d_out, entry.k_in):
+            raise PayloadRefused(
+                f"{entry.name!r}: payload shape {(entry.d_out, entry.k_in)} != weight shape {tuple(weight.shape)}"
+            )
+        if tuple(entry.factor.shape) != (entry.d_out, payload.rank):
+            raise PayloadRefused(f"{entry.name!r}: factor shape {tuple(entry.factor.shape)} is not (d_out, rank)")
+    first = payload.projection(payload.entries[0])
+    if projection_fingerprint(first) != payload.fingerprint:
+        raise PayloadRefused(
+            "projection fingerprint mismatch: this process draws a different A than the trainer "
+            "(torch version or generator differs); a full resync is needed"
+        )
+
+
+def apply_payload(
+    payload: UpdatePayload,
+    weights: Mapping[str, torch.Tensor],
+    version: int,
+    residuals: Mapping[str, torch.Tensor] | None = None,
+    chunk_rows: int = 256,
+) -> int:
+    """Merge `payload` into HF-layout `weights` held at `version`; return the new version.
+
+    Everything is checked before the first write (PayloadRefused leaves the weights untouched).
+    """
+    check_payload(payload, weights, version)
+    _merge_entries(payload, weights, residuals, chunk_rows)
+    return payload.new_version
+
+
+def _merge_entries(
+    payload: UpdatePayload,
+    weights: Mapping[str, torch.Tensor],
+    residuals: Mapping[str, torch.Tensor] | None,
+    chunk_rows: int,
+) -> None:
+    for entry in payload.entries:
+        residual = None if residuals is None else residuals.get(entry.name)
+        merge_low_rank_(weights[entry.name], entry.factor, payload.projection(entry), residual, chunk_rows)
+
+
+class PayloadMerger:
+    """A rollout-side copy of the targeted weights: their residuals, version and resync state."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        residual_dtype: str = "float32",
+        version: int = 0,
+        chunk_rows: int = 256,
+    ) -> None:
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
+        self.weights = dict(weights)
+        self.residual_dtype = residual_dtype
+        dtype = RESIDUAL_DTYPES[residual_dtype]
+        self.residuals = (
+            None if dtype is None else {name: torch.zeros_like(w, dtype=dtype) for name, w in self.weights.items()}
+        )
+        self.version = version
+        self.chunk_rows = chunk_rows
+        self.needs_resync = False
+
+    def apply(self, payload: UpdatePayload) -> None:
+        """Apply one payload; refused payloads change nothing, a failed write demands a resync."""
+        if self.needs_resync:
+            raise PayloadRefused("these weights need a full resync before the next payload")
+        check_payload(payload, self.weights, self.version)
+        try:
+            _merge_entries(payload, self.weights, self.residuals, self.chunk_rows)
+        except Exception:
+            self.needs_resync = True
+            raise
+        self.version = payload.new_version
+
+    def resync(self, master: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the trainer's master weights: W ← round(master), R ← master − W (exact for fp32 R)."""
+        missing = sorted(set(self.weights) - set(master))
+        if missing:
+            raise ValueError(f"resync is missing weights {missing[:4]}")
+        with torch.no_grad():
+            for name, weight in self.weights.items():
+                source = master[name].to(device=weight.device)
+                weight.copy_(source)
+                if self.residuals is not None:
+                    self.residuals[name].copy_(source.float() - weight.float())
+        self.version = version
+        self.needs_resync = False

@@ -1,0 +1,354 @@
+"""LoGRAOptimizer: sketches in, one low-rank update out.
+
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=8, seed=3))
+    loss.backward()                      # any number of microbatches; sketches accumulate
+    opt.prepare(num_tokens=n)            # reduce over the process group, RowAdam, global update ratio
+    payload = opt.commit(alpha=1.0)      # merge into the fp32 weights, redraw A, return the payload
+
+Between prepare and commit the KL helpers measure the proposal: `probe_kl` (q, the KL per
+unit α²) and `step_kl` (the exact KL of a given α). `discard()` drops a prepared update and
+restores the RowAdam state, so a refused step changes nothing.
+
+Data parallel: if torch.distributed is initialised, `prepare` sums the sketches over the
+process group (so each rank's loss should be its share of the global loss) and `num_tokens`
+is the global token count. Weights may be plain (replicated) or FSDP2 DTensors sharded on
+dim 0; each rank then merges only its own rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from logra_rl.logra.config import LoGRAConfig
+from logra_rl.logra.kl import KLController, LogitsFn, LowRankStep, finite_difference_kl, jvp_kl, step_kl
+from logra_rl.logra.merge import merge_low_rank_
+from logra_rl.logra.payload import WIRE_TORCH_DTYPES, PayloadEntry, UpdatePayload
+from logra_rl.logra.projection import projection_fingerprint
+from logra_rl.logra.rowadam import check_finite, row_adam_direction
+from logra_rl.logra.sketch import LinearSketch
+
+
+def find_targets(model: nn.Module, target_modules: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    """Modules whose last name component is in `target_modules`; they must be nn.Linear."""
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in target_modules:
+            if not isinstance(module, nn.Linear):
+                raise TypeError(f"LoGRA target {name!r} is a {type(module).__name__}, not an nn.Linear")
+            found.append((name, module))
+    if not found:
+        linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        raise ValueError(
+            f"LoGRA target_modules {list(target_modules)} matched no modules; the model's linear layers "
+            f"include {linears[:6]}; set target_modules to their last name components"
+        )
+    return found
+
+
+def local_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The locally stored rows of `weight` and the global index of the first one."""
+    if not isinstance(weight, DTensor):
+        return weight, 0
+    local = weight.to_local()
+    if local.numel() == 0:
+        return local, 0
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return local, offset[0]
+
+
+def _check_layout(name: str, weight: torch.Tensor) -> None:
+    if isinstance(weight, DTensor) and tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"LoGRA target {name!r} is laid out as {weight.placements}; only replicated weights or a "
+            "1-D FSDP2 mesh sharding rows (Shard(0)) are supported (no tensor parallelism, no HSDP)"
+        )
+    local, _ = local_rows(weight)
+    if local.dtype != torch.float32:
+        raise ValueError(
+            f"LoGRA target {name!r} stores {local.dtype} weights; LoGRA needs fp32 master weights (updates "
+            "of ~1e-4 relative vanish in bf16). Load the model in float32 and compute in bf16 with "
+            "autocast or an FSDP2 MixedPrecisionPolicy"
+        )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class LoGRAOptimizer:
+    def __init__(self, model: nn.Module, config: LoGRAConfig, process_group: dist.ProcessGroup | None = None):
+        self.model = model
+        self.config = config
+        self.process_group = process_group
+        modules = find_targets(model, config.target_modules)
+        for name, module in modules:
+            _check_layout(name, module.weight)
+            if config.rank > min(module.out_features, module.in_features):
+                raise ValueError(
+                    f"LoGRA rank {config.rank} exceeds min(d_out, k_in) = "
+                    f"{min(module.out_features, module.in_features)} of {name!r}; lower logra.rank"
+                )
+        model.requires_grad_(False)
+        self.targets = [
+            LinearSketch(name, module, config.rank, config.seed, config.distribution) for name, module in modules
+        ]
+        self.second_moments = [
+            torch.zeros(t.out_features, 1, dtype=torch.float32, device=t.sketch.device) for t in self.targets
+        ]
+        self.update_count = 0
+        self.kl_controller = KLController(config.kl)
+        self._directions: list[torch.Tensor] | None = None
+        self._moments_before: list[torch.Tensor] | None = None
+
+    # ---- step -------------------------------------------------------------------------------
+
+    @property
+    def prepared(self) -> bool:
+        return self._directions is not None
+
+    def zero_sketches(self) -> None:
+        if self.prepared:
+            raise RuntimeError("cannot zero the sketches while an update is prepared; commit() or discard() it")
+        for target in self.targets:
+            target.zero_()
+
+    def prepare(self, num_tokens: int | float | torch.Tensor) -> float:
+        """Reduce the sketches, run RowAdam and scale to the update ratio; return the sketch norm.
+
+        Raises FloatingPointError, with no state changed, if a reduced sketch is not finite.
+        """
+        if self.prepared:
+            raise RuntimeError("an update is already prepared; commit() or discard() it first")
+        num_tokens = float(num_tokens)
+        if not (math.isfinite(num_tokens) and num_tokens >= 1):
+            raise ValueError(f"num_tokens must be a finite count >= 1, got {num_tokens}")
+        if not any(t.contributions for t in self.targets):
+            raise RuntimeError(
+                "no gradient reached the LoGRA sketches: run loss.backward() (with grad enabled) on a loss "
+                "that depends on the targeted layers before prepare()"
+            )
+        if _distributed():
+            for target in self.targets:
+                dist.all_reduce(target.sketch, group=self.process_group)
+        for target in self.targets:
+            check_finite(target.sketch, target.name)
+
+        self._moments_before = [v.clone() for v in self.second_moments]
+        step = self.update_count + 1
+        directions = [
+            row_adam_direction(t.sketch / num_tokens, v, step, self.config.beta2, self.config.epsilon, t.name)
+            for t, v in zip(self.targets, self.second_moments, strict=True)
+        ]
+        try:
+            scale = self._update_ratio_scale(directions)
+        except FloatingPointError:
+            self._restore_moments()
+            raise
+        self._directions = [d.mul_(scale) for d in directions]
+        for target in self.targets:
+            target.locked = True
+        sketch_sq = sum(torch.linalg.vector_norm(t.sketch, dtype=torch.float64) ** 2 for t in self.targets)
+        return math.sqrt(float(sketch_sq)) / num_tokens
+
+    def _update_ratio_scale(self, directions: list[torch.Tensor]) -> float:
+        """c with ‖c·D·A‖/‖W‖ = update_ratio over all targets together (global, not per layer).
+
+        ‖D·A‖² = Σ (D·G)⊙D with G = A·Aᵀ (rank × rank), in float64 over the local rows: exact,
+        and far cheaper than forming D·A. Sharded sums are reduced; replicated ones are not.
+        """
+        device = self.targets[0].sketch.device
+        sharded = torch.zeros(2, dtype=torch.float64, device=device)  # [‖W‖², ‖DA‖²]
+        replicated = torch.zeros(2, dtype=torch.float64, device=device)
+        for target, direction in zip(self.targets, directions, strict=True):
+            weight, offset = local_rows(target.module.weight)
+            rows = direction[offset : offset + weight.shape[0]].double()
+            gram = target.projection.double() @ target.projection.double().t()
+            sums = sharded if isinstance(target.module.weight, DTensor) else replicated
+            sums[0] += torch.linalg.vector_norm(weight, dtype=torch.float64) ** 2
+            sums[1] += ((rows @ gram) * rows).sum()
+        if _distributed() and any(isinstance(t.module.weight, DTensor) for t in self.targets):
+            dist.all_reduce(sharded, group=self.process_group)
+        weight_sq, update_sq = (sharded + replicated).tolist()
+        if not (math.isfinite(weight_sq) and math.isfinite(update_sq)):
+            raise FloatingPointError(f"non-finite norms in the update ratio: ‖W‖²={weight_sq}, ‖DA‖²={update_sq}")
+        if update_sq == 0:
+            return 1.0
+        return self.config.update_ratio * math.sqrt(weight_sq / update_sq)
+
+    def proposal(self) -> LowRankStep:
+        """The prepared update at α = 1, as (module, A, D) triples for the KL probes."""
+        if not self.prepared:
+            raise RuntimeError("no update is prepared; call prepare() first")
+        return [(t.module, t.projection, d) for t, d in zip(self.targets, self._directions, strict=True)]
+
+    def commit(self, alpha: float) -> UpdatePayload:
+        """W −= round_wire(α·D)·A for every target; redraw A; return the payload of exactly this update."""
+        if not self.prepared:
+            raise RuntimeError("no update is prepared; call prepare() before commit()")
+        alpha = float(alpha)
+        if not math.isfinite(alpha):
+            raise FloatingPointError(f"alpha={alpha} is not finite; the update is refused")
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
+        entries = []
+        for target, direction in zip(self.targets, self._directions, strict=True):
+            factor = (alpha * direction).to(wire_dtype)
+            weight, offset = local_rows(target.module.weight)
+            merge_low_rank_(
+                weight,
+                factor[offset : offset + weight.shape[0]],
+                target.projection,
+                chunk_rows=self.config.merge_chunk_rows,
+            )
+            entries.append(PayloadEntry(target.name, target.out_features, target.in_features, factor))
+        payload = UpdatePayload(
+            base_version=self.update_count,
+            new_version=self.update_count + 1,
+            base_seed=self.config.seed,
+            projection_update=self._projection_update(),
+            rank=self.config.rank,
+            distribution=self.config.distribution,
+            wire_dtype=self.config.wire_dtype,
+            fingerprint=projection_fingerprint(self.targets[0].projection),
+            entries=tuple(entries),
+        )
+        self.update_count += 1
+        if self.config.refresh:
+            self._draw_projections()
+        self._finish()
+        return payload
+
+    def discard(self) -> None:
+        """Drop the prepared update: weights untouched, RowAdam state restored, sketches zeroed."""
+        if not self.prepared:
+            raise RuntimeError("no update is prepared; nothing to discard")
+        self._restore_moments()
+        self._finish()
+
+    def _restore_moments(self) -> None:
+        for moment, before in zip(self.second_moments, self._moments_before, strict=True):
+            moment.copy_(before)
+
+    def _finish(self) -> None:
+        self._directions = None
+        self._moments_before = None
+        for target in self.targets:
+            target.locked = False
+            target.zero_()
+
+    def _projection_update(self) -> int:
+        return self.update_count if self.config.refresh else 0
+
+    def _draw_projections(self) -> None:
+        for target in self.targets:
+            target.draw_projection(self._projection_update())
+
+    # ---- KL ---------------------------------------------------------------------------------
+
+    def probe_kl(
+        self, forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float
+    ) -> float:
+        """q: predicted KL per generated token of the prepared update at α = 1 (KL(α) ≈ q·α²).
+
+        `forward(input_ids) -> logits` must run the model as the policy (eval mode, no dropout).
+        The first `kl.probe_responses` rows, truncated to `kl.probe_max_tokens`, are probed; the
+        estimator is `kl.estimator`. Under data parallelism every rank probes the same row count.
+        """
+        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
+        kl = self.config.kl
+        if kl.estimator == "jvp":
+            total, count = jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature)
+        else:
+            total, count = finite_difference_kl(forward, input_ids, loss_mask, self.proposal(), temperature, kl.fd_step)
+        return self._reduced_mean(total, count)
+
+    def step_kl(
+        self, forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float, alpha: float
+    ) -> float:
+        """The exact KL per generated token of commit(alpha), wire rounding included, on the probe rows."""
+        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
+        wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
+        step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]
+        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale=1.0)
+        return self._reduced_mean(total, count)
+
+    def _probe_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_ids.shape != loss_mask.shape or input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                "must both be (batch, length)"
+            )
+        count = torch.tensor(min(self.config.kl.probe_responses, input_ids.shape[0]), device=input_ids.device)
+        if _distributed():
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.process_group)
+        rows, length = int(count), self.config.kl.probe_max_tokens
+        return input_ids[:rows, :length], loss_mask[:rows, :length]
+
+    def _reduced_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
+        if _distributed():
+            packed = torch.stack([total, count])
+            dist.all_reduce(packed, group=self.process_group)
+            total, count = packed
+        if count == 0:
+            raise RuntimeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
+        q = float(total / count)
+        if not (math.isfinite(q) and q >= 0):
+            raise FloatingPointError(f"KL probe returned {q}; the step is refused")
+        return q
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Row moments, update count, KL controller state and config; projections are redrawn on load."""
+        if self.prepared:
+            raise RuntimeError(
+                "cannot checkpoint while an update is prepared; checkpoint only after commit() or discard()"
+            )
+        return {
+            "config": self.config.to_dict(),
+            "update_count": self.update_count,
+            "kl_controller": self.kl_controller.state_dict(),
+            "second_moments": {t.name: v.clone() for t, v in zip(self.targets, self.second_moments, strict=True)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.prepared:
+            raise RuntimeError("cannot load state while an update is prepared; commit() or discard() it first")
+        saved, current = state["config"], self.config.to_dict()
+        if saved != current:
+            differing = sorted(_flatten(saved).items() ^ _flatten(current).items())
+            names = sorted({key for key, _ in differing})
+            raise ValueError(
+                f"checkpoint LoGRA configuration does not match the current one in {names}: "
+                f"resume with the logra settings the run was started with"
+            )
+        moments = state["second_moments"]
+        names = [t.name for t in self.targets]
+        if sorted(moments) != sorted(names):
+            raise ValueError(
+                f"checkpoint holds RowAdam state for {len(moments)} modules, this model has {len(names)} "
+                f"targets; first differences: {sorted(set(moments) ^ set(names))[:4]}"
+            )
+        for target, moment in zip(self.targets, self.second_moments, strict=True):
+            moment.copy_(moments[target.name])
+        self.update_count = int(state["update_count"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self._draw_projections()
+        self.zero_sketches()
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return flat

@@ -1,0 +1,130 @@
+"""UpdatePayload: one committed LoGRA update as `seed + factor`, and its byte format.
+
+A receiver rebuilds each projection A from (base_seed, projection_update, module name), so
+the wire carries only the factors U (d_out × rank, in the wire dtype) and a small header.
+The per-module seeds are not stored: they are a function of those three values
+(`projection_seed`), and the projection fingerprint proves the receiver drew the same A.
+
+Byte layout (no pickle, nothing executable):
+    8 bytes   magic b"LOGRAPL1"
+    4 bytes   header length n, little-endian uint32
+    n bytes   zlib-compressed UTF-8 JSON header
+    rest      the factors, concatenated row-major in header order, little-endian
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from logra_rl.logra.projection import make_projection, projection_seed
+
+MAGIC = b"LOGRAPL1"
+WIRE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class PayloadFormatError(ValueError):
+    """The bytes are not a valid LoGRA payload (truncated, corrupted, or another format)."""
+
+
+@dataclass(frozen=True)
+class PayloadEntry:
+    """The update of one module: W ← W − factor · A(seed), with A of shape (rank, k_in)."""
+
+    name: str  # HF module name, wrapper components stripped (e.g. model.layers.0.self_attn.q_proj)
+    d_out: int
+    k_in: int
+    factor: torch.Tensor  # (d_out, rank), wire dtype
+
+
+@dataclass(frozen=True)
+class UpdatePayload:
+    base_version: int  # the policy version the update applies to
+    new_version: int  # the version after applying it
+    base_seed: int
+    projection_update: int  # the update index the projections were drawn for
+    rank: int
+    distribution: str
+    wire_dtype: str
+    fingerprint: str  # projection_fingerprint of the first entry's A
+    entries: tuple[PayloadEntry, ...]
+
+    def seed(self, entry: PayloadEntry) -> int:
+        return projection_seed(self.base_seed, self.projection_update, entry.name)
+
+    def projection(self, entry: PayloadEntry) -> torch.Tensor:
+        """The entry's A, drawn exactly as the trainer drew it (float32, CPU)."""
+        return make_projection(self.rank, entry.k_in, self.seed(entry), self.distribution)
+
+    @property
+    def factor_bytes(self) -> int:
+        return sum(entry.factor.numel() * entry.factor.element_size() for entry in self.entries)
+
+    def to_bytes(self) -> bytes:
+        if sys.byteorder != "little":
+            raise RuntimeError("LoGRA payloads are little-endian; this host is big-endian")
+        dtype = WIRE_TORCH_DTYPES[self.wire_dtype]
+        blobs = []
+        for entry in self.entries:
+            factor = entry.factor.detach().to(device="cpu", dtype=dtype).contiguous()
+            blobs.append(factor.view(torch.uint8).numpy().tobytes())
+        blob = b"".join(blobs)
+        header = {
+            "base_version": self.base_version,
+            "new_version": self.new_version,
+            "base_seed": self.base_seed,
+            "projection_update": self.projection_update,
+            "rank": self.rank,
+            "distribution": self.distribution,
+            "wire_dtype": self.wire_dtype,
+            "fingerprint": self.fingerprint,
+            "factor_bytes": len(blob),
+            "factor_digest": hashlib.blake2b(blob, digest_size=16).hexdigest(),
+            "modules": [[entry.name, entry.d_out, entry.k_in] for entry in self.entries],
+        }
+        packed = zlib.compress(json.dumps(header, separators=(",", ":")).encode("utf-8"), 9)
+        return MAGIC + struct.pack("<I", len(packed)) + packed + blob
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> UpdatePayload:
+        view = memoryview(data)
+        if len(view) < 12 or bytes(view[:8]) != MAGIC:
+            raise PayloadFormatError("not a LoGRA payload (bad magic bytes)")
+        (header_length,) = struct.unpack("<I", view[8:12])
+        try:
+            header = json.loads(zlib.decompress(view[12 : 12 + header_length]))
+        except (zlib.error, ValueError) as error:
+            raise PayloadFormatError(f"corrupted LoGRA payload header: {error}") from error
+        blob = view[12 + header_length :]
+        if len(blob) != header["factor_bytes"]:
+            raise PayloadFormatError(
+                f"LoGRA payload truncated: {len(blob)} factor bytes, header says {header['factor_bytes']}"
+            )
+        if hashlib.blake2b(blob, digest_size=16).hexdigest() != header["factor_digest"]:
+            raise PayloadFormatError("LoGRA payload factors do not match their digest (corrupted in transit)")
+        dtype = WIRE_TORCH_DTYPES[header["wire_dtype"]]
+        rank = header["rank"]
+        storage = bytearray(blob)  # writable copy shared by all factors
+        entries, offset = [], 0
+        for name, d_out, k_in in header["modules"]:
+            count = d_out * rank
+            factor = torch.frombuffer(storage, dtype=dtype, count=count, offset=offset).view(d_out, rank)
+            entries.append(PayloadEntry(name=name, d_out=d_out, k_in=k_in, factor=factor))
+            offset += count * factor.element_size()
+        return cls(
+            base_version=header["base_version"],
+            new_version=header["new_version"],
+            base_seed=header["base_seed"],
+            projection_update=header["projection_update"],
+            rank=rank,
+            distribution=header["distribution"],
+            wire_dtype=header["wire_dtype"],
+            fingerprint=header["fingerprint"],
+            entries=tuple(entries),
+        )

@@ -1,0 +1,74 @@
+"""FSDP2 on 2 gloo ranks: reduced sketches, directions, KL probe and committed weights equal one process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from logra_rl.logra import LoGRAConfig, LoGRAOptimizer, jvp_kl
+from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_SEED = 6
+CONFIG = {"rank": 8, "seed": 11, "update_ratio": 1e-3}
+ALPHA = 1.5
+TEMPERATURE = 1.0
+GLOBAL_BATCH = random_batch(4, 20, seed=3)
+LOSS_MASK = (torch.arange(20) >= 5).long().expand(4, 20)
+NUM_TOKENS = GLOBAL_BATCH[:, 1:].numel()
+
+
+def single_process_step():
+    model = tiny_qwen3(seed=MODEL_SEED)
+    opt = LoGRAOptimizer(model, LoGRAConfig(**CONFIG))
+    for row in GLOBAL_BATCH.split(1):
+        token_sum_loss(model, row).backward()
+    opt.prepare(num_tokens=NUM_TOKENS)
+    sketches = [t.sketch.clone() for t in opt.targets]
+    directions = [d.clone() for _, _, d in opt.proposal()]
+    # under FSDP each rank probes its first probe_responses (2) rows: all 4 rows of the global batch
+    total, count = jvp_kl(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK, opt.proposal(), TEMPERATURE)
+    q = float(total / count)
+    opt.commit(ALPHA)
+    return opt, model, sketches, directions, q
+
+
+def test_fsdp2_step_matches_single_process(tmp_path):
+    out = tmp_path / "fsdp.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*command, str(REPO / "tests/logra/fsdp_worker.py"), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded = torch.load(out, weights_only=True)
+    opt, model, sketches, directions, q = single_process_step()
+
+    assert sharded["names"] == [t.name for t in opt.targets]
+    for name, a, b in zip(sharded["names"], sharded["sketches"], sketches, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6, msg=name)
+    for a, b in zip(sharded["directions"], directions, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-9)
+    assert abs(sharded["q"] - q) / q < 1e-5
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(sharded["weights"][name], weight, rtol=1e-6, atol=1e-8, msg=name)
+
+    # each rank changed exactly its own row block; together they cover every row once
+    for target in opt.targets:
+        rank0, rank1 = (set(changed[target.name]) for changed in sharded["changed_by_rank"])
+        assert rank0 and rank1 and not rank0 & rank1
+        assert rank0 | rank1 == set(range(target.out_features))
+        assert max(rank0) < min(rank1)
+
+    # bf16 compute with fp32 masters: the same sketch to bf16 accuracy, and fp32 weights that moved
+    torch.testing.assert_close(sharded["bf16_sketch"], sketches[0], rtol=0.05, atol=0.05 * sketches[0].abs().max())
+    moved = sharded["bf16_weights"]["model.layers.0.self_attn.q_proj.weight"]
+    assert moved.dtype == torch.float32
+    assert not torch.equal(moved, tiny_qwen3(seed=MODEL_SEED).state_dict()["model.layers.0.self_attn.q_proj.weight"])

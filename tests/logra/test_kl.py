@@ -1,0 +1,148 @@
+"""Predicted-KL control: the prediction against the exact KL of the committed step, and the controller."""
+
+import math
+
+import pytest
+import torch
+
+from logra_rl.logra import (
+    KLConfig,
+    KLController,
+    LoGRAConfig,
+    LoGRAOptimizer,
+    exact_kl,
+    predicted_kl,
+    scheduled_budget,
+    step_scale,
+)
+from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
+
+TEMPERATURE = 0.7
+
+
+def logits_fn(model):
+    return lambda input_ids: model(input_ids=input_ids).logits
+
+
+def prepared_optimizer(config, seed=4):
+    model = tiny_qwen3(seed=seed)
+    assert model.config._attn_implementation == "sdpa"  # the JVP must cope with fused attention kernels
+    opt = LoGRAOptimizer(model, config)
+    batch = random_batch(4, 24, seed=seed)
+    token_sum_loss(model, batch).backward()
+    opt.prepare(num_tokens=batch[:, 1:].numel())
+    loss_mask = torch.zeros_like(batch)
+    loss_mask[:, 6:] = 1  # the first tokens play the prompt
+    return model, opt, batch, loss_mask
+
+
+def committed_kl(model, opt, batch, loss_mask, alpha):
+    """Mean exact KL(π_before ‖ π_after) over generated-token predictions of the probed rows."""
+    rows = batch[: opt.config.kl.probe_responses]
+    with torch.no_grad():
+        before = model(input_ids=rows).logits
+        opt.commit(alpha)
+        after = model(input_ids=rows).logits
+    mask = loss_mask[: rows.shape[0], 1:].bool()
+    return float(exact_kl(before[:, :-1], after[:, :-1], TEMPERATURE)[mask].mean())
+
+
+def test_prediction_matches_exact_kl_of_committed_step():
+    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1, wire_dtype="float32"))
+    q = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    alpha = 0.5
+    actual = committed_kl(model, opt, batch, loss_mask, alpha)
+    assert actual > 0
+    assert q * alpha**2 == pytest.approx(actual, rel=0.03)
+
+
+def test_step_kl_is_the_kl_of_the_committed_wire_rounded_step():
+    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
+    alpha = 2.0
+    realised = opt.step_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, alpha)
+    assert realised == pytest.approx(committed_kl(model, opt, batch, loss_mask, alpha), rel=1e-3)
+
+
+def test_finite_difference_estimate_agrees_with_jvp():
+    config = LoGRAConfig(rank=8, seed=1)
+    model, opt, batch, loss_mask = prepared_optimizer(config)
+    jvp = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    opt.config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator="finite_difference", fd_step=3.0))
+    finite_difference = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    assert finite_difference == pytest.approx(jvp, rel=0.05)
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_probe_uses_first_rows_truncated_and_leaves_weights_untouched():
+    config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(probe_responses=2, probe_max_tokens=16))
+    model, opt, batch, loss_mask = prepared_optimizer(config)
+    before = [p.clone() for p in model.parameters()]
+    q_full = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    q_rows = opt.probe_kl(logits_fn(model), batch[:2, :16], loss_mask[:2, :16], TEMPERATURE)
+    assert q_full == q_rows
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(RuntimeError, match="no generated tokens"):
+        opt.probe_kl(logits_fn(model), batch, torch.zeros_like(loss_mask), TEMPERATURE)
+
+
+def test_lost_jvp_is_an_error():
+    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1))
+    detached = lambda ids: model(input_ids=ids).logits.detach().clone()  # noqa: E731 - a forward that drops tangents
+    with pytest.raises(RuntimeError, match="JVP was lost"):
+        opt.probe_kl(detached, batch, loss_mask, TEMPERATURE)
+
+
+def test_predicted_kl_is_the_second_order_term():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, dtype=torch.float64, generator=generator) * 3
+    tangent = torch.randn(5, 11, dtype=torch.float64, generator=generator)
+    epsilon = 1e-4
+    exact = exact_kl(logits, logits + epsilon * tangent, TEMPERATURE)
+    predicted = predicted_kl(logits, tangent, TEMPERATURE)
+    assert predicted.dtype == torch.float64 and predicted.shape == (5,)
+    torch.testing.assert_close(predicted * epsilon**2, exact, rtol=2e-4, atol=0)
+    with pytest.raises(ValueError, match="temperature"):
+        predicted_kl(logits, tangent, 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        predicted_kl(logits, tangent[:, :3], 1.0)
+
+
+def test_cosine_schedule_endpoints_and_reference_values():
+    config = KLConfig()
+    assert scheduled_budget(config, 0) == pytest.approx(2e-4, rel=1e-12)
+    assert scheduled_budget(config, 299) == pytest.approx(2e-5, rel=1e-12)
+    assert scheduled_budget(config, 1000) == pytest.approx(2e-5, rel=1e-12)
+    for update, value in [(50, 1.8786e-4), (100, 1.5473e-4), (149, 1.1047e-4), (199, 6.527e-5)]:
+        assert scheduled_budget(config, update) == pytest.approx(value, rel=1e-4)
+    constant = KLConfig(schedule="constant", budget=1.5e-4)
+    assert {scheduled_budget(constant, n) for n in (0, 150, 299, 5000)} == {1.5e-4}
+
+
+def test_step_scale_rule():
+    alpha = step_scale(0.008, 2e-4, 3.0)
+    assert alpha == pytest.approx(math.sqrt(0.025)) and alpha**2 * 0.008 == pytest.approx(2e-4)
+    assert step_scale(1e-12, 2e-4, 3.0) == 3.0
+    assert step_scale(0.0, 2e-4, 3.0) == 1.0
+    for q in (float("nan"), float("inf"), -1e-9):
+        with pytest.raises(FloatingPointError):
+            step_scale(q, 2e-4, 3.0)
+    with pytest.raises(ValueError):
+        step_scale(1e-3, 0.0, 3.0)
+
+
+def test_mismatch_subtraction_arithmetic():
+    controller = KLController(KLConfig(schedule="constant", budget=2e-4))
+    assert controller.step_budget(0, mismatch_sum=0.0, mismatch_count=0) == 2e-4 and controller.mismatch == 0
+    # observed 1e-4 -> m = 0.3e-4 -> δ_eff = 1.7e-4
+    assert controller.step_budget(1, mismatch_sum=0.1, mismatch_count=1000) == pytest.approx(1.7e-4)
+    assert controller.mismatch == pytest.approx(3e-5)
+    # a negative observation counts as 0: m = 0.7 * 3e-5
+    assert controller.step_budget(2, mismatch_sum=-5.0, mismatch_count=1000) == pytest.approx(2e-4 - 2.1e-5)
+    # no completed responses: m unchanged and the budget not reduced
+    assert controller.step_budget(3) == 2e-4 and controller.mismatch == pytest.approx(2.1e-5)
+    # a large gap hits the floor 0.5·δ
+    assert controller.step_budget(4, mismatch_sum=10.0, mismatch_count=100) == pytest.approx(1e-4)
+    with pytest.raises(FloatingPointError):
+        controller.step_budget(5, mismatch_sum=float("nan"), mismatch_count=3)
+    off = KLController(KLConfig(schedule="constant", mismatch_subtraction=False))
+    assert off.step_budget(0, mismatch_sum=10.0, mismatch_count=100) == 2e-4 and off.mismatch == 0

@@ -1,0 +1,154 @@
+"""Rollout-side merges: bit-exact tracking of the trainer, version gating, refusal without side effects."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import logra_rl.logra.merge as merge_module
+from logra_rl.logra import (
+    LoGRAConfig,
+    LoGRAOptimizer,
+    PayloadMerger,
+    PayloadRefused,
+    UpdatePayload,
+    apply_payload,
+    merge_low_rank_,
+)
+from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
+
+
+class Trainer:
+    """A tiny Qwen3 trained by LoGRA; each step returns the payload, as bytes on the wire."""
+
+    def __init__(self, seed=0, **config):
+        self.model = tiny_qwen3(seed=seed)
+        self.opt = LoGRAOptimizer(self.model, LoGRAConfig(rank=8, seed=7, **config))
+        self.step_index = 0
+
+    def master(self):
+        return {t.name: t.module.weight.detach() for t in self.opt.targets}
+
+    def step(self, alpha=2.0):
+        batch = random_batch(2, 16, seed=self.step_index)
+        self.step_index += 1
+        token_sum_loss(self.model, batch).backward()
+        self.opt.prepare(num_tokens=batch[:, 1:].numel())
+        return UpdatePayload.from_bytes(self.opt.commit(alpha).to_bytes())
+
+
+def rollout_copy(master, residual_dtype):
+    weights = {name: torch.empty_like(w, dtype=torch.bfloat16) for name, w in master.items()}
+    merger = PayloadMerger(weights, residual_dtype=residual_dtype)
+    merger.resync(master, version=0)
+    return merger
+
+
+def snapshot(merger):
+    residuals = merger.residuals or {}
+    return [w.clone() for w in merger.weights.values()] + [r.clone() for r in residuals.values()]
+
+
+def test_fifty_payloads_keep_bf16_copy_equal_to_rounded_master():
+    trainer = Trainer()
+    exact = rollout_copy(trainer.master(), "float32")
+    plain = rollout_copy(trainer.master(), "none")
+    initial = {name: w.clone() for name, w in trainer.master().items()}
+    for _ in range(50):
+        payload = trainer.step()
+        exact.apply(payload)
+        plain.apply(payload)
+        for name, master in trainer.master().items():
+            assert torch.equal(exact.weights[name], master.to(torch.bfloat16)), name
+    assert exact.version == plain.version == trainer.opt.update_count == 50
+    # without the residual, the bf16 copy lost most of the accumulated update
+    lost = sum(
+        (plain.weights[n].float() - m).norm() ** 2 / (m - initial[n]).norm() ** 2 for n, m in trainer.master().items()
+    )
+    assert float(lost) / len(initial) > 0.1
+
+
+def test_apply_payload_to_an_fp32_copy_tracks_master_exactly():
+    trainer = Trainer()
+    copy = {name: w.clone() for name, w in trainer.master().items()}
+    version = 0
+    for _ in range(5):
+        version = apply_payload(trainer.step(), copy, version)
+    assert version == 5
+    assert all(torch.equal(copy[name], w) for name, w in trainer.master().items())
+
+
+def test_merge_with_fp32_residual_is_exact_on_random_updates():
+    generator = torch.Generator().manual_seed(0)
+    master = torch.randn(300, 48, generator=generator) * 0.02
+    weight, residual = master.to(torch.bfloat16), torch.zeros(300, 48)
+    residual.copy_(master - weight.float())
+    for _ in range(20):
+        factor = (torch.randn(300, 4, generator=generator) * 1e-5).to(torch.bfloat16)
+        projection = torch.randn(4, 48, generator=generator)
+        merge_low_rank_(master, factor, projection, chunk_rows=64)
+        merge_low_rank_(weight, factor, projection, residual, chunk_rows=64)
+        assert torch.equal(weight.float() + residual, master)
+        assert torch.equal(weight, master.to(torch.bfloat16))
+
+
+def test_duplicate_stale_out_of_order_and_foreign_payloads_are_refused_untouched():
+    trainer = Trainer()
+    merger = rollout_copy(trainer.master(), "float32")
+    first, second, third = trainer.step(), trainer.step(), trainer.step()
+    merger.apply(first)
+    merger.apply(second)
+    before = snapshot(merger)
+    refusals = {
+        "duplicate": (second, "duplicate or stale"),
+        "stale": (first, "duplicate or stale"),
+        "out-of-order": (trainer.step(), "out-of-order"),  # version 3 -> 4 while at 2
+        "fingerprint": (dataclasses.replace(third, fingerprint="0" * 32), "fingerprint mismatch"),
+        "other seed": (dataclasses.replace(third, base_seed=8), "fingerprint mismatch"),
+        "unknown module": (
+            dataclasses.replace(third, entries=(dataclasses.replace(third.entries[0], name="lm_head"),)),
+            "do not hold",
+        ),
+        "shape": (
+            dataclasses.replace(third, entries=(dataclasses.replace(third.entries[0], k_in=65),)),
+            "payload shape",
+        ),
+    }
+    for case, (payload, message) in refusals.items():
+        with pytest.raises(PayloadRefused, match=message):
+            merger.apply(payload)
+        assert merger.version == 2 and not merger.needs_resync, case
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(merger), strict=True)), case
+    merger.apply(third)
+    assert merger.version == 3
+
+
+def test_failure_during_apply_demands_a_resync(monkeypatch):
+    trainer = Trainer()
+    merger = rollout_copy(trainer.master(), "float32")
+    payload = trainer.step()
+    calls = []
+    real_merge = merge_module.merge_low_rank_
+
+    def failing_merge(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        real_merge(*args, **kwargs)
+
+    monkeypatch.setattr(merge_module, "merge_low_rank_", failing_merge)
+    with pytest.raises(RuntimeError, match="device lost"):
+        merger.apply(payload)
+    assert merger.needs_resync and merger.version == 0
+    monkeypatch.setattr(merge_module, "merge_low_rank_", real_merge)
+    with pytest.raises(PayloadRefused, match="need a full resync"):
+        merger.apply(payload)
+    merger.resync(trainer.master(), version=trainer.opt.update_count)
+    assert not merger.needs_resync and merger.version == 1
+    merger.apply(trainer.step())
+    assert all(torch.equal(merger.weights[n], w.to(torch.bfloat16)) for n, w in trainer.master().items())
+
+
+def test_invalid_residual_dtype():
+    with pytest.raises(ValueError, match="residual_dtype='int8'"):
+        PayloadMerger({}, residual_dtype="int8")
