@@ -6,7 +6,7 @@
     payload = opt.commit(alpha=1.0)      # merge into the fp32 weights, redraw A, return the payload
 
 Between prepare and commit the KL helpers measure the proposal: `probe_kl` (q, the KL per
-unit α²) and `step_kl` (the exact KL of a given α). `discard()` drops a prepared update and
+unit α²) and `realized_kl` (the exact KL of a given α). `discard()` drops a prepared update and
 restores the RowAdam state, so a refused step changes nothing.
 
 Data parallel: if torch.distributed is initialised, `prepare` sums the sketches over the
@@ -128,7 +128,10 @@ class LoGRAOptimizer:
         num_tokens = float(num_tokens)
         if not (math.isfinite(num_tokens) and num_tokens >= 1):
             raise ValueError(f"num_tokens must be a finite count >= 1, got {num_tokens}")
-        if not any(t.contributions for t in self.targets):
+        reached = torch.tensor(float(sum(t.contributions for t in self.targets)), device=self.targets[0].sketch.device)
+        if _distributed():
+            dist.all_reduce(reached, group=self.process_group)  # every rank raises together, none hangs
+        if not reached:
             raise RuntimeError(
                 "no gradient reached the LoGRA sketches: run loss.backward() (with grad enabled) on a loss "
                 "that depends on the targeted layers before prepare()"
@@ -269,10 +272,13 @@ class LoGRAOptimizer:
             total, count = finite_difference_kl(forward, input_ids, loss_mask, self.proposal(), temperature, kl.fd_step)
         return self._reduced_mean(total, count)
 
-    def step_kl(
+    def realized_kl(
         self, forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float, alpha: float
     ) -> float:
-        """The exact KL per generated token of commit(alpha), wire rounding included, on the probe rows."""
+        """The exact KL per generated token that commit(alpha) will cause, wire rounding included, on the probe rows.
+
+        Measured before the commit with the step injected by output hooks (the weights are not touched).
+        """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
         wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
         step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]

@@ -27,6 +27,10 @@ from logra_rl.logra.projection import make_projection, projection_seed
 
 MAGIC = b"LOGRAPL1"
 WIRE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+HEADER_KEYS = frozenset(
+    {"base_version", "new_version", "base_seed", "projection_update", "rank", "distribution", "wire_dtype"}
+    | {"fingerprint", "factor_bytes", "factor_digest", "modules"}
+)
 
 
 class PayloadFormatError(ValueError):
@@ -99,20 +103,21 @@ class UpdatePayload:
         (header_length,) = struct.unpack("<I", view[8:12])
         try:
             header = json.loads(zlib.decompress(view[12 : 12 + header_length]))
-        except (zlib.error, ValueError) as error:
-            raise PayloadFormatError(f"corrupted LoGRA payload header: {error}") from error
+            missing = HEADER_KEYS - header.keys()
+            if missing:
+                raise KeyError(f"missing {sorted(missing)}")
+            dtype = WIRE_TORCH_DTYPES[header["wire_dtype"]]
+            rank, modules, factor_bytes = header["rank"], header["modules"], header["factor_bytes"]
+        except (zlib.error, ValueError, KeyError, TypeError) as error:
+            raise PayloadFormatError(f"corrupted LoGRA payload header: {error!r}") from error
         blob = view[12 + header_length :]
-        if len(blob) != header["factor_bytes"]:
-            raise PayloadFormatError(
-                f"LoGRA payload truncated: {len(blob)} factor bytes, header says {header['factor_bytes']}"
-            )
+        if len(blob) != factor_bytes:
+            raise PayloadFormatError(f"LoGRA payload truncated: {len(blob)} factor bytes, header says {factor_bytes}")
         if hashlib.blake2b(blob, digest_size=16).hexdigest() != header["factor_digest"]:
             raise PayloadFormatError("LoGRA payload factors do not match their digest (corrupted in transit)")
-        dtype = WIRE_TORCH_DTYPES[header["wire_dtype"]]
-        rank = header["rank"]
         storage = bytearray(blob)  # writable copy shared by all factors
         entries, offset = [], 0
-        for name, d_out, k_in in header["modules"]:
+        for name, d_out, k_in in modules:
             count = d_out * rank
             factor = torch.frombuffer(storage, dtype=dtype, count=count, offset=offset).view(d_out, rank)
             entries.append(PayloadEntry(name=name, d_out=d_out, k_in=k_in, factor=factor))

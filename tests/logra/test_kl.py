@@ -56,10 +56,10 @@ def test_prediction_matches_exact_kl_of_committed_step():
     assert q * alpha**2 == pytest.approx(actual, rel=0.03)
 
 
-def test_step_kl_is_the_kl_of_the_committed_wire_rounded_step():
+def test_realized_kl_is_the_kl_of_the_committed_wire_rounded_step():
     model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
     alpha = 2.0
-    realised = opt.step_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, alpha)
+    realised = opt.realized_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, alpha)
     assert realised == pytest.approx(committed_kl(model, opt, batch, loss_mask, alpha), rel=1e-3)
 
 
