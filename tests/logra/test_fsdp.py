@@ -1,6 +1,7 @@
 """FSDP2 on 2 gloo ranks: reduced sketches, directions, KL probe and committed weights equal one process."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,15 +40,22 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     out = tmp_path / "fsdp.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run(
+    # a new session, so a hang kills torchrun's workers too, not only the launcher
+    process = subprocess.Popen(
         [*command, str(REPO / "tests/logra/fsdp_worker.py"), str(out)],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert process.returncode == 0, stderr[-3000:]
     sharded = torch.load(out, weights_only=True)
     opt, model, sketches, directions, q = single_process_step()
 

@@ -1,0 +1,238 @@
+"""The run configuration: one frozen dataclass per Hydra group, validated when built.
+
+Hydra composes YAML (`configs/`); `RunConfig.from_hydra` turns the result into these
+dataclasses, so a misspelt key or a bad value fails at start-up with one line naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from logra_rl.data import DataConfig
+from logra_rl.logra import LoGRAConfig
+from logra_rl.utils.structs import from_mapping
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(condition: bool, key: str, value: Any, rule: str) -> None:
+    if not condition:
+        raise ValueError(f"config: {key}={value!r} is invalid; {rule}")
+
+
+def _positive_int(key: str, value: Any) -> None:
+    _check(isinstance(value, int) and value > 0, key, value, "give a positive integer")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy. `path`: a local HF directory or hub id; `builder: quickstart` builds the tiny base model."""
+
+    path: str | None = None
+    builder: str | None = "quickstart"
+    compute_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; master weights are always float32
+    activation_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _check(
+            (self.path is None) != (self.builder is None),
+            "model.path",
+            self.path,
+            "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart)",
+        )
+        _check(self.builder in (None, "quickstart"), "model.builder", self.builder, "the only builder is 'quickstart'")
+        _check(self.compute_dtype in ("auto", *DTYPES), "model.compute_dtype", self.compute_dtype, f"one of {DTYPES}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout engines: how many, how they sample, and how they stay in sync with the trainer."""
+
+    backend: str = "hf"
+    num_engines: int = 1
+    gpus_per_engine: int = 1
+    dtype: str = "bfloat16"
+    residual: str = "float32"  # error-feedback residual of the in-place merges: float32 | bfloat16 | none
+    n: int = 1  # responses per prompt (GRPO groups when > 1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    resync_every: int = 50  # full weight resync every K steps (0: only at start, on resume and after a refusal)
+    probe_coordinates: int = 16  # drift probe: weight coordinates compared per target each step
+    eval_temperature: float = 0.7
+    eval_top_p: float = 0.7
+    eval_samples: int = 4  # k of pass@k
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("hf",), "rollout.backend", self.backend, "available backends: hf")
+        for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
+            _positive_int(f"rollout.{key}", getattr(self, key))
+        _check(self.dtype in DTYPES, "rollout.dtype", self.dtype, f"one of {DTYPES}")
+        _check(
+            self.residual in ("float32", "bfloat16", "none"), "rollout.residual", self.residual, "float32|bfloat16|none"
+        )
+        for key in ("temperature", "eval_temperature"):
+            _check(getattr(self, key) > 0, f"rollout.{key}", getattr(self, key), "must be > 0")
+        for key in ("top_p", "eval_top_p"):
+            _check(0 < getattr(self, key) <= 1, f"rollout.{key}", getattr(self, key), "must be in (0, 1]")
+        _check(self.resync_every >= 0, "rollout.resync_every", self.resync_every, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """`name`: logra (default) or dense (AdamW with the paper's warm-up + cosine schedule, DESIGN.md §5)."""
+
+    name: str = "logra"
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 9
+    schedule_steps: int = 300
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(self.name in ("logra", "dense"), "optimizer.name", self.name, "use optimizer=logra or optimizer=dense")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "must be > 0")
+        _check(
+            self.schedule_steps > self.warmup_steps >= 0,
+            "optimizer.warmup_steps",
+            self.warmup_steps,
+            "0 <= warmup < schedule_steps",
+        )
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantages and loss: running-baseline REINFORCE + truncated IS (default), PPO clipping, GRPO groups."""
+
+    estimator: str = "running_baseline"  # running_baseline | grpo
+    baseline_weight: float = 0.1
+    failure_reward: float = -0.01
+    length_reference: float | None = None  # A_i · L_ref / L_i when set (the paper's later runs: 1024)
+    tis_cap: float = 2.0
+    clip_low: float | None = None  # PPO ratio clipping when set
+    clip_high: float | None = None
+    epochs: int = 1  # passes over the batch per step (PPO); each pass is one optimizer update
+    grpo_normalize_std: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            self.estimator in ("running_baseline", "grpo"),
+            "algorithm.estimator",
+            self.estimator,
+            "running_baseline or grpo",
+        )
+        _check(self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "must be > 0")
+        _positive_int("algorithm.epochs", self.epochs)
+        _check(
+            self.epochs == 1 or self.clip_low is not None or self.clip_high is not None,
+            "algorithm.epochs",
+            self.epochs,
+            "several epochs need PPO clipping (algorithm.clip_low / clip_high)",
+        )
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Ray: local by default; `address=auto` joins a running cluster. GPUs are logical on a CPU machine."""
+
+    address: str | None = None
+    train_workers: int = 2
+    device: str = "auto"  # auto: cuda when available, else cpu (gloo, logical GPUs)
+    cpus_per_worker: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive_int("cluster.train_workers", self.train_workers)
+        _check(self.device in DEVICES, "cluster.device", self.device, f"one of {DEVICES}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The step loop: length, batch, evaluation, checkpoints, resume, output location."""
+
+    total_steps: int = 200
+    prompts_per_step: int = 128
+    micro_batch_tokens: int = 8192
+    eval_every: int = 25  # 0: never
+    checkpoint_every: int = 50  # 0: never
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto: continue from the run directory's latest checkpoint if any; never; or a path
+    seed: int = 1
+    output_dir: str = "outputs"
+    run_name: str = "run"
+    grader_workers: int = 2
+    grader_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for key in ("total_steps", "prompts_per_step", "micro_batch_tokens", "keep_checkpoints", "grader_workers"):
+            _positive_int(f"trainer.{key}", getattr(self, key))
+        for key in ("eval_every", "checkpoint_every"):
+            _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "must be >= 0 (0 disables)")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """metrics.jsonl always; wandb when `wandb_mode` is online/offline (never waits for a login)."""
+
+    wandb_mode: str = "disabled"
+    wandb_project: str = "logra_rl"
+    wandb_entity: str | None = None
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            self.wandb_mode in ("disabled", "offline", "online"),
+            "logger.wandb_mode",
+            self.wandb_mode,
+            "disabled, offline or online",
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    experiment: str = "quickstart"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    logra: LoGRAConfig = field(default_factory=LoGRAConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> RunConfig:
+        """Validate a composed Hydra config (or a plain mapping); the first problem raises ValueError."""
+        if OmegaConf.is_config(values):
+            try:
+                values = OmegaConf.to_container(values, resolve=True, throw_on_missing=True)
+            except MissingMandatoryValue as missing:
+                key = missing.full_key
+                raise ValueError(f"config: {key} is required by the chosen config; set it, e.g. {key}=...") from None
+        values = {k: v for k, v in values.items() if k != "hydra"}
+        groups = {
+            "model": lambda v: from_mapping(ModelConfig, v, "model."),
+            "data": DataConfig.from_dict,
+            "rollout": lambda v: from_mapping(RolloutConfig, v, "rollout."),
+            "optimizer": lambda v: from_mapping(OptimizerConfig, v, "optimizer."),
+            "algorithm": lambda v: from_mapping(AlgorithmConfig, v, "algorithm."),
+            "logra": lambda v: LoGRAConfig.from_dict(v or {}),
+            "cluster": lambda v: from_mapping(ClusterConfig, v, "cluster."),
+            "trainer": lambda v: from_mapping(TrainerConfig, v, "trainer."),
+            "logger": lambda v: from_mapping(LoggerConfig, v, "logger."),
+        }
+        unknown = sorted(set(values) - set(groups) - {"experiment"})
+        if unknown:
+            raise ValueError(f"config: unknown top-level key(s) {unknown}; the groups are {sorted(groups)}")
+        built = {name: build(values.get(name) or {}) for name, build in groups.items()}
+        return cls(experiment=values.get("experiment", "quickstart"), **built)

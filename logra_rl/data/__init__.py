@@ -1,0 +1,7 @@
+"""Data: examples, the task registry (local files, reasoning-gym, quickstart) and the prompt sampler."""
+
+from logra_rl.data.config import DataConfig
+from logra_rl.data.sampler import PromptSampler
+from logra_rl.data.task import Example, Task, load_task, register_task
+
+__all__ = ["DataConfig", "Example", "PromptSampler", "Task", "load_task", "register_task"]

@@ -1,0 +1,93 @@
+"""Data configuration (the `data` group of the Hydra config; verl's key names where the meaning matches)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from logra_rl.utils.structs import from_mapping
+
+REASONING_GYM_KEYS = ("datasets", "config")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which prompts to train and evaluate on, and how to grade them.
+
+    task: a registered task name: `files` (local jsonl/parquet), `reasoning_gym` (procedural), `quickstart`.
+    train_files / val_files (task `files`): local .jsonl/.json/.parquet paths; one string is one file.
+        verl's schema works as is: `prompt` (chat messages, or a plain string → one user message) and the answer
+        at `reward_model.ground_truth`; `data_source` is kept in the metadata when present. With no val_files,
+        `eval_size` records are held out of the training files (a seeded random slice), or eval is empty when
+        `eval_size` is unset.
+    prompt_key / answer_key: where the prompt and the reference answer live in a record; dotted paths walk
+        into nested records (`reward_model.ground_truth`). A plain schema: prompt_key=input answer_key=output.
+    reward: the reward function name (see logra_rl.rewards); None → the task's default (`math_verify` for
+        files, `reasoning_gym` for reasoning_gym).
+    system_prompt: prepended as a system message to every prompt (replacing a record's own system message).
+    seed: generator seed (reasoning_gym) and hold-out split seed (files).
+    train_size / eval_size: how many examples; None → all records (files) or 10000 / 200 (reasoning_gym).
+    max_prompt_length / max_response_length: tokens (verl's names); longer prompts are an error, responses
+        are cut at max_response_length (and count in response_length/clip_ratio).
+    reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights) or a
+        mapping name → sampling weight (several names make a weighted mixture); the optional `config` maps a
+        name to its generator kwargs, e.g.
+        `{"datasets": {"basic_arithmetic": 1.0, "gcd": 0.5}, "config": {"gcd": {"max_value": 1000}}}`.
+    """
+
+    task: str = "quickstart"
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    reward: str | None = None
+    system_prompt: str | None = None
+    seed: int = 42
+    train_size: int | None = None
+    eval_size: int | None = None
+    reasoning_gym: dict[str, Any] = field(default_factory=dict)
+    max_prompt_length: int = 1024
+    max_response_length: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            files = [value] if isinstance(value, str) else list(value)
+            if not all(isinstance(f, str) and f for f in files):
+                raise ValueError(f"data config: {name}={value!r} is invalid; give a list of file paths")
+            object.__setattr__(self, name, files)
+        for name in ("task", "prompt_key", "answer_key"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value):
+                raise ValueError(f"data config: {name}={value!r} is invalid; give a non-empty string")
+        for name in ("reward", "system_prompt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"data config: {name}={value!r} is invalid; give a string or null")
+        if not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"data config: seed={self.seed!r} is invalid; give a non-negative integer")
+        for name in ("train_size", "eval_size"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"data config: {name}={value!r} is invalid; give a non-negative integer or null")
+        for name in ("max_prompt_length", "max_response_length"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"data config: {name}={value!r} is invalid; give a positive number of tokens")
+        if not isinstance(self.reasoning_gym, Mapping):
+            raise ValueError(
+                f"data config: reasoning_gym={self.reasoning_gym!r} is invalid; give a mapping with keys "
+                f"{list(REASONING_GYM_KEYS)}"
+            )
+        unknown = sorted(set(self.reasoning_gym) - set(REASONING_GYM_KEYS))
+        if unknown:
+            raise ValueError(
+                f"data config: unknown key(s) {['reasoning_gym.' + k for k in unknown]}; valid keys are "
+                f"{['reasoning_gym.' + k for k in REASONING_GYM_KEYS]}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DataConfig:
+        """Build from a plain mapping or an OmegaConf node; unknown keys are an error."""
+        return from_mapping(cls, values, "data.")

@@ -1,0 +1,121 @@
+"""Task `reasoning_gym`: procedurally generated problems, graded by each dataset's own scorer.
+
+Train and eval are generated with disjoint seed ranges: reasoning-gym draws item i of a dataset seeded s
+from `Random(s + i)`, so seeds s and s+1 share all but one item. Train uses seed s for items [0, train_size)
+and eval uses seed s + train_size, which never reuses a train item's generator (tiny problem spaces can
+still repeat a question by chance). In a mixture, the composite picks item i's dataset with `Random(s + i)`
+and seeds its k-th dataset s + k + 1, so the pick and the item are drawn from different generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from reasoning_gym import create_dataset
+from reasoning_gym.composite import DatasetSpec
+from reasoning_gym.factory import DATASETS
+
+from logra_rl.data.config import DataConfig
+from logra_rl.data.task import Example, Task, register_task
+from logra_rl.rewards import get_reward_function
+
+DEFAULT_TRAIN_SIZE = 10_000
+DEFAULT_EVAL_SIZE = 200
+ANSWER_INSTRUCTION = "Give your final answer inside <answer></answer> tags, with nothing else inside the tags."
+
+
+@register_task("reasoning_gym")
+def load_reasoning_gym_task(config: DataConfig) -> Task:
+    weights, generator_kwargs = _mixture(config.reasoning_gym)
+    reward = config.reward or "reasoning_gym"
+    get_reward_function(reward)
+    train_size = DEFAULT_TRAIN_SIZE if config.train_size is None else config.train_size
+    eval_size = DEFAULT_EVAL_SIZE if config.eval_size is None else config.eval_size
+    train = _generate(weights, generator_kwargs, config.seed, train_size, config, reward)
+    eval_ = _generate(weights, generator_kwargs, config.seed + train_size, eval_size, config, reward)
+    return Task(name="reasoning_gym", train=train, eval=eval_)
+
+
+def _mixture(spec: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """(name → weight, name → generator kwargs) from `data.reasoning_gym`, with every name checked."""
+    datasets = spec.get("datasets")
+    if isinstance(datasets, list | tuple):
+        datasets = dict.fromkeys(datasets, 1.0)
+    if not isinstance(datasets, Mapping) or not datasets:
+        raise ValueError(
+            "task 'reasoning_gym' needs data.reasoning_gym.datasets: a list of names or a mapping name → weight, "
+            "e.g. data.reasoning_gym.datasets={basic_arithmetic: 1.0, gcd: 0.5}"
+        )
+    generator_kwargs = dict(spec.get("config") or {})
+    for name in [*datasets, *generator_kwargs]:
+        if name not in DATASETS or name == "composite":
+            close = difflib.get_close_matches(str(name), DATASETS, n=3)
+            raise ValueError(
+                f"unknown reasoning-gym dataset {name!r}"
+                + (f" (did you mean {close}?)" if close else "")
+                + f"; available: {sorted(set(DATASETS) - {'composite'})}"
+            )
+    for name, kwargs in generator_kwargs.items():
+        if name not in datasets:
+            raise ValueError(f"data.reasoning_gym.config has {name!r}, which is not in data.reasoning_gym.datasets")
+        _check_generator_kwargs(name, kwargs)
+    for name, weight in datasets.items():
+        if not (isinstance(weight, int | float) and weight > 0):
+            raise ValueError(f"data.reasoning_gym.datasets.{name}={weight!r} is invalid; a weight must be > 0")
+    return {name: float(w) for name, w in datasets.items()}, {name: dict(kw) for name, kw in generator_kwargs.items()}
+
+
+def _check_generator_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Build the dataset's config once so a bad kwarg fails here, named, rather than deep in generation."""
+    config_cls = DATASETS[name][1]
+    valid = sorted({f.name for f in dataclasses.fields(config_cls)} - {"seed", "size"})
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"data.reasoning_gym.config.{name}: unknown or reserved key(s) {unknown} (seed and size come from "
+            f"data.seed / data.train_size / data.eval_size); valid keys are {valid}"
+        )
+    try:
+        generator_config = config_cls(**kwargs)
+        if hasattr(generator_config, "validate"):  # a few configs have no validate()
+            generator_config.validate()
+    except AssertionError as error:  # reasoning-gym validates configs with asserts
+        raise ValueError(f"data.reasoning_gym.config.{name}={dict(kwargs)} is invalid: {error}") from error
+
+
+def _generate(
+    weights: dict[str, float],
+    generator_kwargs: dict[str, dict[str, Any]],
+    seed: int,
+    size: int,
+    config: DataConfig,
+    reward: str,
+) -> list[Example]:
+    if size == 0:
+        return []
+    if len(weights) == 1:
+        [name] = weights
+        dataset = create_dataset(name, **generator_kwargs.get(name, {}), seed=seed, size=size)
+    else:
+        specs = [DatasetSpec(name=name, weight=w, config=generator_kwargs.get(name, {})) for name, w in weights.items()]
+        dataset = create_dataset("composite", datasets=specs, seed=seed, size=size)
+    return [_example(dataset[i], generator_kwargs, config, reward) for i in range(size)]
+
+
+def _example(entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]], config: DataConfig, reward: str):
+    name = entry["metadata"]["source_dataset"]
+    messages = [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"}]
+    if config.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": config.system_prompt})
+    # A few datasets (e.g. rubiks_cube, rush_hour) have no single reference answer: their scorers verify.
+    answer = "" if entry["answer"] is None else str(entry["answer"])
+    metadata = {
+        "data_source": f"reasoning_gym/{name}",
+        "dataset": name,
+        "dataset_config": generator_kwargs.get(name, {}),
+        "entry": entry,
+    }
+    return Example(messages=tuple(messages), answer=answer, reward=reward, metadata=metadata)

@@ -1,0 +1,1 @@
+"""Model and tokenizer loading, and the tiny models the CPU quickstart builds."""

@@ -1,0 +1,101 @@
+"""Ray: start or join the cluster, and place groups of actors one per (CPU, GPU) bundle.
+
+On a machine without CUDA the same placement runs on *logical* GPUs (`ray.init(num_gpus=N)`):
+bundles, placement groups and CUDA_VISIBLE_DEVICES behave as on a GPU node, and the workers
+use the CPU device with gloo. So the scheduling code tested on CPU is the code a GPU node runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from logra_rl.config import RunConfig
+
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+PLACEMENT_TIMEOUT_S = 120
+
+
+def gpus_needed(config: RunConfig) -> int:
+    return config.cluster.train_workers + config.rollout.num_engines * config.rollout.gpus_per_engine
+
+
+def start_ray(config: RunConfig) -> bool:
+    """Join `cluster.address`, or start a local Ray; returns True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": WORKER_ENV}
+    if config.cluster.address:
+        ray.init(address=config.cluster.address, runtime_env=runtime_env, log_to_driver=True)
+        return True
+    needed = gpus_needed(config)
+    cuda = torch.cuda.device_count()
+    if cuda and cuda < needed:
+        raise ValueError(
+            f"this node has {cuda} GPUs but the config needs {needed} (cluster.train_workers + "
+            "rollout.num_engines × rollout.gpus_per_engine); lower them or join a cluster with cluster.address"
+        )
+    cpus = int(config.cluster.cpus_per_worker * (config.cluster.train_workers + config.rollout.num_engines)) + 1
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private cluster: no token files
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, cpus),
+        num_gpus=cuda or needed,  # logical GPUs on a CPU machine
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+    return True
+
+
+class WorkerGroup:
+    """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles."""
+
+    def __init__(
+        self,
+        cls: type,
+        count: int,
+        name: str,
+        cpus: float,
+        gpus: float,
+        arguments: Callable[[int], Sequence[Any]],
+    ) -> None:
+        self.name = name
+        self.placement_group = placement_group([{"CPU": cpus, "GPU": gpus}] * count, strategy="PACK", name=name)
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"could not place the {name} group ({count} × {{CPU: {cpus}, GPU: {gpus}}}) within "
+                f"{PLACEMENT_TIMEOUT_S}s; the cluster has {ray.available_resources()}"
+            )
+        actor = ray.remote(cls)
+        self.actors = [
+            actor.options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+            ).remote(*arguments(i))
+            for i in range(count)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every actor, concurrently; returns their results in actor order."""
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_each(self, method: str, arguments: Sequence[Sequence[Any]]) -> list[Any]:
+        """Actor i gets `arguments[i]`."""
+        return ray.get([getattr(a, method).remote(*args) for a, args in zip(self.actors, arguments, strict=True)])
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement_group)

@@ -1,0 +1,29 @@
+"""Rewards: named graders and the timeout-safe process pool that runs them."""
+
+from logra_rl.rewards.graders import (
+    RewardFunction,
+    exact_match_reward,
+    get_reward_function,
+    last_boxed,
+    math_verify_reward,
+    reasoning_gym_reward,
+    register_reward,
+    strip_end_of_text,
+)
+from logra_rl.rewards.pool import GradeRequest, GradeResult, RewardPool, grade_one, grader_metrics
+
+__all__ = [
+    "GradeRequest",
+    "GradeResult",
+    "RewardFunction",
+    "RewardPool",
+    "exact_match_reward",
+    "get_reward_function",
+    "grade_one",
+    "grader_metrics",
+    "last_boxed",
+    "math_verify_reward",
+    "reasoning_gym_reward",
+    "register_reward",
+    "strip_end_of_text",
+]

@@ -1,0 +1,128 @@
+"""Reward functions: `fn(response, answer, metadata) -> float` in [0, 1], looked up by name.
+
+A name is either registered here (`exact_match`, `math_verify`, `reasoning_gym`, or your own via
+`register_reward`) or an import path `package.module:function`, so a custom grader also resolves
+inside a fresh grading process. math-verify uses `signal.alarm` for its own timeouts, which only
+works on a process's main thread: call these through `RewardPool`, not from threads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any
+
+from math_verify import parse, verify
+from reasoning_gym import create_dataset
+from reasoning_gym.utils import extract_answer
+
+RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
+
+_REWARDS: dict[str, RewardFunction] = {}
+# Tokens a decoder may leave at the end of a response when it is not told to skip special tokens.
+END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
+
+
+def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator: make `fn` available as `name` (in a config's `reward` field)."""
+
+    def decorator(fn: RewardFunction) -> RewardFunction:
+        if name in _REWARDS:
+            raise ValueError(f"reward {name!r} is already registered (by {_REWARDS[name].__module__})")
+        _REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward_function(name: str) -> RewardFunction:
+    """The reward function called `name`, or the function at import path `module:function`."""
+    if name in _REWARDS:
+        return _REWARDS[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"reward {name!r}: cannot import {attribute!r} from {module_name!r} ({error})") from error
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        return fn
+    raise ValueError(
+        f"unknown reward {name!r}; registered rewards are {sorted(_REWARDS)}, "
+        "or give an import path 'package.module:function'"
+    )
+
+
+def strip_end_of_text(response: str) -> str:
+    """The response without surrounding whitespace and trailing end-of-text markers."""
+    text = response.strip()
+    while marker := next((m for m in END_OF_TEXT_MARKERS if text.endswith(m)), None):
+        text = text[: -len(marker)].rstrip()
+    return text
+
+
+def last_boxed(text: str) -> str | None:
+    r"""Content of the last `\boxed{...}` (balanced braces), or None if there is none or it is unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    content_start = start + len("\\boxed{")
+    for i in range(content_start - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[content_start:i]
+    return None
+
+
+def _as_latex(answer: str) -> str:
+    """Plain answers (`0.5`, `\\frac12`) parse best as inline math; already-delimited ones stay as they are."""
+    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+
+
+@register_reward("exact_match")
+def exact_match_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the stripped response is exactly the stripped answer."""
+    return float(strip_end_of_text(response) == answer.strip())
+
+
+@register_reward("math_verify")
+def math_verify_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    r"""1.0 when the last `\boxed{}` (or else the whole response) is mathematically equal to the answer."""
+    gold = parse(_as_latex(answer.strip()))
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}; fix the dataset's answer column")
+    boxed = last_boxed(response)
+    prediction = parse(_as_latex(boxed) if boxed is not None else strip_end_of_text(response))
+    return float(verify(gold, prediction))
+
+
+@cache
+def _reasoning_gym_dataset(name: str, config_json: str):
+    """A dataset instance to score with (scoring never depends on its seed or size, only on its config)."""
+    return create_dataset(name, **json.loads(config_json))
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    """The dataset's own `score_answer` on the text inside the last `<answer>` tags; no tags scores 0.
+
+    `metadata` carries `dataset` (the reasoning-gym name), `entry` (its question/answer/metadata record) and
+    optionally `dataset_config` (the generator kwargs: some scorers read them). Raw text is never passed to
+    the scorer: reasoning-gym gives partial credit to near-misses such as a whole sentence containing the answer.
+    """
+    missing = [key for key in ("dataset", "entry") if key not in metadata]
+    if missing:
+        raise ValueError(
+            f"reasoning_gym reward needs metadata keys {missing} (have {sorted(metadata)}); "
+            "build examples with the reasoning_gym task"
+        )
+    extracted = extract_answer(response, tag_name="answer")
+    if extracted is None:
+        return 0.0
+    config_json = json.dumps(metadata.get("dataset_config", {}), sort_keys=True)
+    dataset = _reasoning_gym_dataset(metadata["dataset"], config_json)
+    return float(dataset.score_answer(answer=extracted, entry=metadata["entry"]))

@@ -1,0 +1,6 @@
+"""RL math: advantages and policy-gradient losses (DESIGN.md §5)."""
+
+from logra_rl.rl.advantages import RunningBaseline, group_advantages, length_weighted
+from logra_rl.rl.losses import policy_gradient_loss
+
+__all__ = ["RunningBaseline", "group_advantages", "length_weighted", "policy_gradient_loss"]

@@ -1,0 +1,92 @@
+"""Rollout with HF transformers `generate`: the CPU default, and a reference for other engines.
+
+The engine keeps its own low-precision copy of the policy. LoGRA payloads are merged in place
+into the targeted weights through a `PayloadMerger` (version gate + error-feedback residual);
+a full resync loads the trainer's fp32 master state.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from logra_rl.logra import PayloadMerger, PayloadRefused, UpdatePayload, canonical_name, find_targets
+from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        residual: str,
+        target_modules: tuple[str, ...],
+        device: str = "cpu",
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation
+        ).to(self.device)
+        self.model.eval().requires_grad_(False)
+        weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
+        self.merger = PayloadMerger(weights, residual_dtype=residual)
+
+    @property
+    def version(self) -> int:
+        return self.merger.version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
+        """Sample `params.n` responses per prompt (left-padded batch), with per-token sampling log-probs."""
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        width = max(len(row) for row in rows)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=pad,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        # log-probs under the processed (temperature / top-p) distribution the tokens were drawn from
+        logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        generated = out.sequences[:, width:].tolist()
+        completions = []
+        for prompt, tokens, token_logprobs in zip(rows, generated, logprobs.float().tolist(), strict=True):
+            finished = self.tokenizer.eos_token_id in tokens
+            length = tokens.index(self.tokenizer.eos_token_id) + 1 if finished else len(tokens)
+            completions.append(Completion(prompt, tokens[:length], token_logprobs[:length], finished))
+        return completions
+
+    def apply_payload(self, payload: bytes) -> SyncResult:
+        try:
+            self.merger.apply(UpdatePayload.from_bytes(payload))
+        except PayloadRefused as refusal:
+            return SyncResult(applied=False, version=self.version, reason=str(refusal))
+        return SyncResult(applied=True, version=self.version)
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:
+        """Full resync from the trainer's fp32 master state (HF names): exact residuals, version reset."""
+        self.model.load_state_dict(state, strict=True)
+        self.merger.resync({name: state[f"{name}.weight"] for name in self.merger.weights}, version)
+        return SyncResult(applied=True, version=self.version)
+
+    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The targeted weights at (rows, cols), as float32: the drift probe."""
+        return {name: self.merger.weights[name][rows, cols].float().cpu() for name, (rows, cols) in coordinates.items()}

@@ -1,0 +1,112 @@
+"""The two update rules a TrainWorker can run: LoGRA (default) and the paper's dense AdamW baseline.
+
+Both take the same backward (a token-sum loss) and expose `update(...) -> metrics, payload`:
+LoGRA returns the payload of its update; dense returns None, so the controller resyncs full weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from logra_rl.config import OptimizerConfig
+from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
+
+
+def dense_lr_factor(step: int, config: OptimizerConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine to `min_lr_ratio` at `schedule_steps` (held after)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(config.schedule_steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps + 1) / span, 1.0)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class DenseUpdate:
+    """AdamW over every parameter; gradients of the token-sum loss are divided by the global token count."""
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig) -> None:
+        self.config = config
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
+        self.model = model
+        self.update_count = 0
+
+    def update(self, step: int, num_tokens: float, **_) -> tuple[dict[str, float], bytes | None]:
+        lr = self.config.lr * dense_lr_factor(step, self.config)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for grad in grads:
+            grad.div_(num_tokens)
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.update_count += 1
+        return {"actor/lr": lr, "actor/grad_norm": grad_norm}, None
+
+    def state_dict(self) -> dict:
+        return {"update_count": self.update_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.update_count = state["update_count"]
+
+
+class LoGRAUpdate:
+    """prepare → KL probe → budget → α → realised KL → commit, on the probe rows of this rank's batch."""
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig, temperature: float) -> None:
+        self.optimizer = LoGRAOptimizer(model, config)
+        self.temperature = temperature
+
+    @property
+    def update_count(self) -> int:
+        return self.optimizer.update_count
+
+    def update(
+        self,
+        step: int,
+        num_tokens: float,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        probe_ids: torch.Tensor,
+        probe_mask: torch.Tensor,
+        mismatch_sum: float,
+        mismatch_count: int,
+    ) -> tuple[dict[str, float], bytes | None]:
+        opt = self.optimizer
+        try:
+            sketch_norm = opt.prepare(num_tokens=num_tokens)
+        except FloatingPointError:
+            opt.zero_sketches()
+            return {"logra/skipped": 1.0}, None
+        try:
+            q = opt.probe_kl(forward, probe_ids, probe_mask, self.temperature)
+        except FloatingPointError:
+            opt.discard()
+            return {"logra/skipped": 1.0}, None
+        budget = opt.kl_controller.step_budget(opt.update_count, mismatch_sum, mismatch_count)
+        alpha = opt.kl_controller.alpha(q, budget)
+        realized = opt.realized_kl(forward, probe_ids, probe_mask, self.temperature, alpha)
+        payload = opt.commit(alpha)
+        metrics = {
+            "logra/alpha": alpha,
+            "logra/kl_budget": budget,
+            "logra/kl_per_unit_step": q,
+            "logra/kl_predicted": q * alpha**2,
+            "logra/kl_realized": realized,
+            "logra/update_ratio": opt.config.update_ratio * alpha,
+            "logra/sketch_norm": sketch_norm,
+            "logra/mismatch_ema": opt.kl_controller.mismatch,
+            "logra/skipped": 0.0,
+        }
+        return metrics, payload.to_bytes()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,233 @@
+"""TrainWorker: one training device. FSDP2 over the train group, fp32 master weights, LoGRA or dense.
+
+The controller drives every worker of the group in lock-step (each call is a collective):
+`setup` → per step `forward_backward` (its shard of the batch) → `update` → and, when asked,
+`full_state` / `weights_at` (sync and drift probe), `save` / `load` (checkpoints), `memory`.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from logra_rl.config import RunConfig
+from logra_rl.logra.optimizer import local_rows
+from logra_rl.rl import policy_gradient_loss
+from logra_rl.train.batch import TrainBatch
+from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
+
+GIB = 2**30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("cluster.device=cuda but CUDA is not available in this worker; use cluster.device=auto")
+    return torch.device(name, 0) if name == "cuda" else torch.device(name)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token t | < t) for t ≥ 1, aligned with input_ids[:, 1:] (float32)."""
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+class TrainWorker:
+    def __init__(self, config: RunConfig, model_path: str, rank: int, world_size: int) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.rank = rank
+        self.world_size = world_size
+        self.device = resolve_device(config.cluster.device)
+        self.temperature = config.rollout.temperature
+        self._batch: TrainBatch | None = None  # this step's shard, kept for the KL probe
+
+    @staticmethod
+    def address() -> tuple[str, int]:
+        """An address rank 0 can serve the process group on (called on rank 0 before `setup`)."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, float]:
+        """Join the process group, load the fp32 model, shard it with FSDP2 and build the optimizer."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        model_config = self.config.model
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, attn_implementation=model_config.attn_implementation
+        )
+        if model_config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dense = self.config.optimizer.name == "dense"
+        model.requires_grad_(dense)
+        self.model = self._shard(model.to(self.device))
+        if dense:
+            for module in self.model.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(1.0)  # gradients of summed per-rank losses: no averaging
+            self.optimizer = DenseUpdate(self.model, self.config.optimizer)
+        else:
+            self.optimizer = LoGRAUpdate(self.model, self.config.logra, self.temperature)
+        self.model.train()
+        return self.memory()
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        compute = self.config.model.compute_dtype
+        if compute == "auto":
+            compute = "bfloat16" if self.device.type == "cuda" else "float32"
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """π_train log-probs of every token (no grad), aligned like `rollout_logprobs` (column 0 is 0)."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        row = 0
+        for micro in batch.microbatches(self.config.trainer.micro_batch_tokens):
+            micro_ids = micro.input_ids.to(self.device)
+            logits = self._logits(micro_ids, micro.attention_mask.to(self.device))
+            values = token_logprobs(logits, micro_ids, self.temperature)
+            out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
+            row += len(micro)
+        return out
+
+    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Loss and backward over token-budgeted microbatches; returns sums the controller reduces."""
+        algorithm = self.config.algorithm
+        sums = dict.fromkeys(
+            ["tokens", "loss", "is_ratio", "is_truncated", "clipped", "gap", "gap_tokens", "gap_all", "entropy"], 0.0
+        )
+        for micro in batch.microbatches(self.config.trainer.micro_batch_tokens):
+            ids = micro.input_ids.to(self.device)
+            logits = self._logits(ids, micro.attention_mask.to(self.device))
+            logprobs = token_logprobs(logits, ids, self.temperature)
+            mask = micro.loss_mask[:, 1:].to(self.device)
+            rollout = micro.rollout_logprobs[:, 1:].to(self.device)
+            old = None if micro.old_logprobs is None else micro.old_logprobs[:, 1:].to(self.device)
+            loss, stats = policy_gradient_loss(
+                logprobs,
+                rollout,
+                micro.advantages.to(self.device),
+                mask,
+                tis_cap=algorithm.tis_cap,
+                old_logprobs=old,
+                clip_low=algorithm.clip_low,
+                clip_high=algorithm.clip_high,
+            )
+            loss.backward()
+            gap = (rollout - logprobs.detach()) * mask
+            completed = micro.completed.to(self.device)[:, None]
+            sums["tokens"] += stats.tokens
+            sums["loss"] += float(loss.detach())
+            sums["is_ratio"] += stats.is_ratio_sum
+            sums["is_truncated"] += stats.is_truncated
+            sums["clipped"] += stats.clipped
+            sums["gap_all"] += float(gap.sum())
+            sums["gap"] += float((gap * completed).sum())
+            sums["gap_tokens"] += float((mask * completed).sum())
+        self._batch = batch
+        return sums
+
+    def update(self, step: int, num_tokens: float, mismatch_sum: float, mismatch_count: int):
+        """One optimizer update from the accumulated backward; returns (metrics, payload bytes or None)."""
+        probe = self._batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
+        self.model.eval()
+        try:
+            metrics, payload = self.optimizer.update(
+                step=step,
+                num_tokens=num_tokens,
+                forward=lambda ids: self._logits(ids),
+                probe_ids=probe.input_ids.to(self.device),
+                probe_mask=probe.loss_mask.to(self.device),
+                mismatch_sum=mismatch_sum,
+                mismatch_count=mismatch_count,
+            )
+        finally:
+            self.model.train()
+        return metrics, payload if self.rank == 0 else None
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full fp32 state dict on rank 0 (CPU), None elsewhere: the source of a full resync."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.rank == 0 else None
+
+    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Master values at (rows, cols) of the targeted weights for the rows this rank holds (NaN elsewhere)."""
+        modules = dict(self.model.named_modules())
+        values = {}
+        for name, (rows, cols) in coordinates.items():
+            weight = modules[name].weight
+            local, offset = local_rows(weight)
+            result = torch.full(rows.shape, float("nan"))
+            here = (rows >= offset) & (rows < offset + local.shape[0])
+            result[here] = local.detach()[rows[here] - offset, cols[here]].float().cpu()
+            values[name] = result
+        return values
+
+    def save(self, directory: str) -> None:
+        """Sharded model (and dense optimizer) state with torch.distributed.checkpoint; LoGRA state on rank 0."""
+        path = Path(directory)
+        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=path / "model")
+        if isinstance(self.optimizer, DenseUpdate):
+            state = get_optimizer_state_dict(self.model, self.optimizer.optimizer)
+            dcp.save({"optimizer": state}, checkpoint_id=path / "optimizer")
+        if self.rank == 0:
+            torch.save(self.optimizer.state_dict(), path / "update_state.pt")
+        dist.barrier()
+
+    def load(self, directory: str) -> None:
+        path = Path(directory)
+        state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=path / "model")
+        set_model_state_dict(self.model, state["model"])
+        if isinstance(self.optimizer, DenseUpdate):
+            optim_state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer.optimizer)}
+            dcp.load(optim_state, checkpoint_id=path / "optimizer")
+            set_optimizer_state_dict(self.model, self.optimizer.optimizer, optim_state["optimizer"])
+        self.optimizer.load_state_dict(torch.load(path / "update_state.pt", weights_only=True))
+
+    def memory(self) -> dict[str, float]:
+        """Current and peak memory of this worker: CUDA allocator on GPU, process RSS on CPU."""
+        if self.device.type == "cuda":
+            return {
+                "current_gib": torch.cuda.memory_allocated(self.device) / GIB,
+                "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
+            }
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"current_gib": psutil.Process().memory_info().rss / GIB, "peak_gib": peak_kib * 1024 / GIB}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

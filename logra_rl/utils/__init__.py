@@ -1,0 +1,1 @@
+"""Small shared helpers: config structs, checkpoints, metrics sinks, memory probes."""

@@ -1,0 +1,57 @@
+"""Checkpoint directories: written under a temporary name, renamed when complete, `latest` updated atomically.
+
+A run killed mid-save leaves only a `step_N.tmp` directory, which is ignored and removed on the next save,
+so `latest` always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+class Checkpoints:
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint of `step` (stale partial saves are removed)."""
+        for partial in self.root.glob("*.tmp"):
+            shutil.rmtree(partial)
+        path = self.root / f"step_{step}.tmp"
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, step: int, controller_state: dict[str, Any]) -> Path:
+        """Write the controller state, rename the checkpoint into place, point `latest` at it, prune old ones."""
+        temporary = self.root / f"step_{step}.tmp"
+        (temporary / "controller.json").write_text(json.dumps(controller_state))
+        final = self.root / f"step_{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        pointer = self.root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, self.root / "latest")
+        for old in self._complete()[: -self.keep]:
+            shutil.rmtree(old)
+        return final
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if path.is_dir() else None
+
+    def _complete(self) -> list[Path]:
+        steps = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
+        return sorted(steps, key=lambda p: int(p.name.split("_")[1]))
+
+
+def read_controller_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "controller.json").read_text())

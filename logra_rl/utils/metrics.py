@@ -1,0 +1,125 @@
+"""Where metrics go: metrics.jsonl (always), wandb (when configured), a live progress line, a final table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from logra_rl.config import LoggerConfig
+
+PROGRESS_KEYS = (
+    ("reward", "reward/mean", "{:.3f}"),
+    ("α", "logra/alpha", "{:.2f}"),
+    ("KL", "logra/kl_realized", "{:.1e}"),
+    ("step", "timing_s/step", "{:.2f}s"),
+)
+SUMMARY_KEYS = (
+    "reward/mean",
+    "eval/{task}/pass@1",
+    "logra/alpha",
+    "logra/kl_predicted",
+    "logra/kl_realized",
+    "sync/payload_bytes",
+    "sync/weight_max_abs_diff",
+    "memory/train_peak_gib",
+    "timing_s/step",
+)
+
+
+class MetricsLogger:
+    """One JSON object per step in `metrics.jsonl`; on resume, records after the resumed step are dropped."""
+
+    def __init__(
+        self, run_dir: Path, config: LoggerConfig, run_config: dict[str, Any], total_steps: int, start_step: int = 0
+    ) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._truncate_after(start_step)
+        self.console = Console()
+        self.history: list[dict[str, Any]] = []
+        self._wandb = None
+        if config.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(
+                project=config.wandb_project,
+                entity=config.wandb_entity,
+                mode=config.wandb_mode,
+                dir=str(run_dir),
+                config=run_config,
+                name=Path(run_dir).name,
+                resume="allow",
+            )
+        self._progress = None
+        if config.progress:
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[figures]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, figures="")
+            self._progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        """Keep only records of steps before `step`: a resumed run rewrites what came after its checkpoint."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+        self.history.append(record)
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+        if self._progress is not None:
+            figures = "  ".join(
+                f"{label} {fmt.format(metrics[key])}" for label, key, fmt in PROGRESS_KEYS if key in metrics
+            )
+            self._progress.update(self._task, completed=min(step + 1, self._progress.tasks[0].total), figures=figures)
+
+    def print(self, message: str) -> None:
+        self.console.print(message)
+
+    def summary(self, task: str) -> Table:
+        """First and last value (and the mean of the last 5 steps) of the headline metrics."""
+        table = Table(title="run summary")
+        for column in ("metric", "first", "last", "mean of last 5"):
+            table.add_column(column, justify="right" if column != "metric" else "left")
+        for template in SUMMARY_KEYS:
+            key = template.format(task=task)
+            values = [r[key] for r in self.history if key in r and r[key] is not None]
+            if values:
+                tail = values[-5:]
+                table.add_row(key, _fmt(values[0]), _fmt(values[-1]), _fmt(sum(tail) / len(tail)))
+        return table
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Inf; null marks a value that could not be computed
+    return value
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"

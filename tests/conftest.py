@@ -1,0 +1,18 @@
+"""Shared fixtures: the quickstart model directory (built once, offline) and test-wide environment."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def quickstart_model(tmp_path_factory):
+    """A small quickstart base model (hidden 64, 20 format steps) in a temporary directory."""
+    from logra_rl.models.tiny import build_quickstart_model
+
+    return str(build_quickstart_model(tmp_path_factory.mktemp("quickstart") / "model", hidden_size=64, format_steps=20))

@@ -1,0 +1,68 @@
+import dataclasses
+import json
+import pickle
+from collections import Counter
+
+import pytest
+
+from logra_rl.data import DataConfig, load_task
+from logra_rl.rewards import reasoning_gym_reward
+
+
+def _config(**values):
+    return DataConfig(task="reasoning_gym", **values)
+
+
+def test_single_dataset_train_and_eval_are_disjoint_and_deterministic():
+    config = _config(reasoning_gym={"datasets": ["basic_arithmetic"]}, train_size=60, eval_size=20, seed=3)
+    task = load_task(config)
+    assert (task.name, len(task.train), len(task.eval)) == ("reasoning_gym", 60, 20)
+    train_questions = {e.metadata["entry"]["question"] for e in task.train}
+    assert not train_questions & {e.metadata["entry"]["question"] for e in task.eval}
+    assert [e.messages for e in load_task(config).train] == [e.messages for e in task.train]
+    other_seed = load_task(dataclasses.replace(config, seed=4))
+    assert [e.messages for e in other_seed.train] != [e.messages for e in task.train]
+
+
+def test_examples_instruct_answer_tags_and_carry_what_the_grader_needs():
+    task = load_task(_config(reasoning_gym={"datasets": {"gcd": 1.0}}, train_size=5, eval_size=2, system_prompt="S"))
+    for example in task.train + task.eval:
+        system, user = example.messages
+        assert system == {"role": "system", "content": "S"}
+        assert user["content"].startswith(example.metadata["entry"]["question"])
+        assert "<answer></answer>" in user["content"]
+        assert (example.reward, example.metadata["dataset"]) == ("reasoning_gym", "gcd")
+        json.dumps(example.metadata)
+        copy = pickle.loads(pickle.dumps(example))
+        assert reasoning_gym_reward(f"<answer>{copy.answer}</answer>", copy.answer, copy.metadata) == 1.0
+        assert reasoning_gym_reward(copy.answer, copy.answer, copy.metadata) == 0.0  # no tags
+
+
+def test_weighted_mixture_samples_by_weight():
+    spec = {"datasets": {"basic_arithmetic": 3.0, "gcd": 1.0}, "config": {"gcd": {"max_value": 50}}}
+    task = load_task(_config(reasoning_gym=spec, train_size=200, eval_size=40))
+    counts = Counter(e.metadata["dataset"] for e in task.train)
+    assert set(counts) == {"basic_arithmetic", "gcd"}
+    assert 110 < counts["basic_arithmetic"] < 190
+    arithmetic = {e.metadata["entry"]["question"] for e in task.train if e.metadata["dataset"] == "basic_arithmetic"}
+    assert not arithmetic & {e.metadata["entry"]["question"] for e in task.eval}
+    gcd = [e for e in task.train if e.metadata["dataset"] == "gcd"]
+    assert all(e.metadata["dataset_config"] == {"max_value": 50} for e in gcd)
+    assert all(reasoning_gym_reward(f"<answer>{e.answer}</answer>", e.answer, e.metadata) == 1.0 for e in task.train)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({}, "needs data.reasoning_gym.datasets"),
+        ({"datasets": ["basic_arithmetc"]}, r"unknown reasoning-gym dataset 'basic_arithmetc' \(did you mean"),
+        ({"datasets": {"gcd": 0}}, "a weight must be > 0"),
+        ({"datasets": ["gcd"], "config": {"lcm": {}}}, "not in data.reasoning_gym.datasets"),
+        ({"datasets": ["gcd"], "config": {"gcd": {"max_valu": 5}}}, r"unknown or reserved key\(s\) \['max_valu'\]"),
+        ({"datasets": ["gcd"], "config": {"gcd": {"seed": 5}}}, r"unknown or reserved key\(s\) \['seed'\]"),
+        ({"datasets": ["gcd"], "config": {"gcd": {"min_value": 0}}}, "config.gcd=.* is invalid"),
+    ],
+)
+def test_bad_specs_are_named(spec, message):
+    with pytest.raises(ValueError, match=message):
+        load_task(_config(reasoning_gym=spec, train_size=2, eval_size=1))

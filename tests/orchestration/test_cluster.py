@@ -1,0 +1,35 @@
+"""The paper's 4 training + 4 rollout GPU layout, placed on logical GPUs of a CPU machine."""
+
+import os
+
+import ray
+
+from logra_rl.config import ClusterConfig, RolloutConfig, RunConfig
+from logra_rl.orchestration.cluster import WorkerGroup, start_ray
+
+
+class Probe:
+    def __init__(self, group: str, index: int) -> None:
+        self.group, self.index = group, index
+
+    def where(self):
+        return self.group, self.index, tuple(ray.get_gpu_ids()), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_four_plus_four_placement_on_logical_gpus():
+    config = RunConfig(cluster=ClusterConfig(train_workers=4), rollout=RolloutConfig(num_engines=4))
+    assert start_ray(config)
+    try:
+        assert ray.cluster_resources()["GPU"] == 8
+        train = WorkerGroup(Probe, 4, "train", cpus=0.5, gpus=1, arguments=lambda i: ("train", i))
+        rollout = WorkerGroup(Probe, 4, "rollout", cpus=0.5, gpus=1, arguments=lambda i: ("rollout", i))
+        places = train.call("where") + rollout.call("where")
+        assert [p[:2] for p in places] == [("train", i) for i in range(4)] + [("rollout", i) for i in range(4)]
+        gpu_ids = [p[2] for p in places]
+        assert all(len(ids) == 1 for ids in gpu_ids) and len({ids[0] for ids in gpu_ids}) == 8
+        assert all(p[3] == str(p[2][0]) for p in places)  # each actor sees exactly its own device
+        assert ray.available_resources().get("GPU", 0) == 0
+        train.kill()
+        rollout.kill()
+    finally:
+        ray.shutdown()

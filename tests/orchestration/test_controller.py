@@ -1,0 +1,80 @@
+"""The step loop end to end through Ray: 2 FSDP2 train workers + 1 HF rollout engine on CPU."""
+
+import math
+
+import torch
+from hydra import compose, initialize_config_module
+
+from logra_rl.config import RunConfig
+from logra_rl.orchestration.controller import Controller
+
+REQUIRED = [
+    "reward/mean",
+    "reward/baseline",
+    "reward/grader_timeouts",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "actor/loss",
+    "actor/is_ratio_mean",
+    "logra/alpha",
+    "logra/kl_budget",
+    "logra/kl_predicted",
+    "logra/kl_realized",
+    "logra/update_ratio",
+    "sync/payload_bytes",
+    "sync/weight_max_abs_diff",
+    "rollout/logprob_diff_mean",
+    "memory/train_avg_gib",
+    "memory/train_peak_gib",
+    "timing_s/rollout",
+    "timing_s/reward",
+    "timing_s/train",
+    "timing_s/sync",
+    "timing_s/step",
+    "perf/updates_per_hour",
+]
+
+
+def run_config(overrides):
+    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path, quickstart_model):
+    cfg = run_config(
+        [
+            "model=hf",
+            f"model.path={quickstart_model}",
+            "trainer.prompts_per_step=16",
+            "trainer.grader_timeout_s=1",
+            "data.reward=tests.orchestration.slow_reward:hangs_on_three",
+            "logger.progress=false",
+        ]
+    )
+    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
+    controller.setup()
+    try:
+        history = [controller.step(step) for step in range(3)]
+        evaluation = controller.evaluate(3)
+        master = next(s for s in controller.train.call("full_state") if s is not None)
+        grid = {
+            name: torch.cartesian_prod(torch.arange(r), torch.arange(c)).T
+            for name, (r, c) in controller.targets.items()
+        }
+        rollout = controller.rollout.call("weights_at", {name: (g[0], g[1]) for name, g in grid.items()})[0]
+    finally:
+        controller.teardown()
+
+    for metrics in history:
+        missing = [key for key in REQUIRED if key not in metrics]
+        assert not missing, missing
+        assert all(math.isfinite(v) for v in metrics.values())
+        assert metrics["sync/weight_max_abs_diff"] == 0.0
+        assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
+        assert metrics["timing_s/step"] < 30  # a hung grader costs at most its timeout
+    assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
+    assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
+    assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}
+    for name, (rows, cols) in ((n, (g[0], g[1])) for n, g in grid.items()):
+        expected = master[f"{name}.weight"][rows, cols].to(torch.bfloat16).float()
+        assert torch.equal(rollout[name], expected), name

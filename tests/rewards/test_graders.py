@@ -1,0 +1,105 @@
+import pytest
+from reasoning_gym import create_dataset
+
+from logra_rl.data import DataConfig, load_task
+from logra_rl.rewards import (
+    exact_match_reward,
+    get_reward_function,
+    last_boxed,
+    math_verify_reward,
+    reasoning_gym_reward,
+    register_reward,
+    strip_end_of_text,
+)
+
+ONE_DECIMAL_PLACE = {"min_num_decimal_places": 1, "max_num_decimal_places": 1}
+
+
+def _unit_reward(response, answer, metadata):
+    return 1.0
+
+
+def test_registry_has_the_builtin_rewards_and_names_them_on_a_typo():
+    assert get_reward_function("exact_match") is exact_match_reward
+    assert get_reward_function("math_verify") is math_verify_reward
+    assert get_reward_function("reasoning_gym") is reasoning_gym_reward
+    with pytest.raises(ValueError, match=r"unknown reward 'math_verfy'.*'exact_match', 'math_verify', 'reasoning_gym'"):
+        get_reward_function("math_verfy")
+
+
+def test_import_path_rewards_resolve_and_bad_paths_are_named():
+    assert get_reward_function("tests.rewards.test_graders:_unit_reward") is _unit_reward
+    with pytest.raises(ValueError, match=r"cannot import 'missing' from 'tests\.rewards\.test_graders'"):
+        get_reward_function("tests.rewards.test_graders:missing")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("exact_match")(_unit_reward)
+
+
+def test_exact_match_strips_whitespace_and_end_of_text_markers():
+    assert exact_match_reward("  42 <|im_end|>", " 42\n", {}) == 1.0
+    assert exact_match_reward("42<|endoftext|></s>", "42", {}) == 1.0
+    assert exact_match_reward("42.", "42", {}) == 0.0
+    assert strip_end_of_text("a <|eot_id|>\n") == "a"
+
+
+def test_last_boxed_takes_the_last_balanced_box():
+    assert last_boxed(r"first \boxed{1}, then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{\{1,2\}}") == r"\{1,2\}"
+    assert last_boxed("no box here") is None
+    assert last_boxed(r"\boxed{\frac{1}{2}") is None  # cut off mid-answer
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "reward"),
+    [
+        (r"So the answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"\boxed{0.5}", r"\frac12", 1.0),
+        (r"\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+        (r"\boxed{2}", "3", 0.0),
+        (r"I first guessed \boxed{2} but it is \boxed{3}", "3", 1.0),
+        (r"It is \boxed{3}, not \boxed{2}", "3", 0.0),  # only the last box counts
+        ("The answer is 7.<|im_end|>", "7", 1.0),  # no box: the whole response is parsed
+        (r"\boxed{7}", r"$\boxed{7}$", 1.0),  # an already-delimited reference answer
+    ],
+)
+def test_math_verify(response, answer, reward):
+    assert math_verify_reward(response, answer, {}) == reward
+
+
+def test_math_verify_refuses_an_unparseable_reference_answer():
+    with pytest.raises(ValueError, match="cannot parse the reference answer"):
+        math_verify_reward(r"\boxed{1}", "", {})
+
+
+def test_reasoning_gym_scores_tagged_answers_and_not_raw_text():
+    dataset = create_dataset("basic_arithmetic", size=5, seed=7)
+    for entry in dataset:
+        metadata = {"dataset": "basic_arithmetic", "entry": entry}
+        answer = entry["answer"]
+        assert reasoning_gym_reward(f"Thinking...\n<answer>{answer}</answer>", answer, metadata) == 1.0
+        assert reasoning_gym_reward(f"<answer>{int(answer) + 1}</answer>", answer, metadata) == 0.0
+        # The dataset's own scoring passes through: a superstring of the answer gets partial credit.
+        assert 0.0 < reasoning_gym_reward(f"<answer>{answer}1</answer>", answer, metadata) < 1.0
+        raw = f"The answer is {answer}"
+        assert dataset.score_answer(raw, entry) > 0  # reasoning-gym's own partial credit for raw text...
+        assert reasoning_gym_reward(raw, answer, metadata) == 0.0  # ...which the reward never gives
+
+
+def test_reasoning_gym_scores_with_the_generator_config():
+    # decimal_arithmetic accepts answers within 10^-max_num_decimal_places: the config changes the score.
+    config = DataConfig(
+        task="reasoning_gym",
+        train_size=3,
+        eval_size=0,
+        reasoning_gym={"datasets": ["decimal_arithmetic"], "config": {"decimal_arithmetic": ONE_DECIMAL_PLACE}},
+    )
+    for example in load_task(config).train:
+        near = str(float(example.answer) + 0.05)
+        assert reasoning_gym_reward(f"<answer>{near}</answer>", example.answer, example.metadata) == 1.0
+        default_config = {**example.metadata, "dataset_config": {}}
+        assert reasoning_gym_reward(f"<answer>{near}</answer>", example.answer, default_config) == 0.0
+
+
+def test_reasoning_gym_names_missing_metadata():
+    with pytest.raises(ValueError, match=r"needs metadata keys \['dataset', 'entry'\]"):
+        reasoning_gym_reward("<answer>1</answer>", "1", {})

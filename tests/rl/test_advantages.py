@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
+
+
+def test_running_baseline_uses_only_previous_batches():
+    baseline = RunningBaseline(weight=0.1, failure_reward=-0.01)
+    first = baseline.advantages(torch.tensor([1.0, 0.0]))
+    assert first.tolist() == pytest.approx([1.0, -0.01])
+    assert baseline.value == pytest.approx(0.0495)  # 0.1 · mean(1, −0.01)
+    second = baseline.advantages(torch.tensor([1.0, 0.3]))  # partial credit below 1 is a failure
+    assert second.tolist() == pytest.approx([1 - 0.0495, -0.01 - 0.0495])
+
+
+def test_invalid_rows_do_not_move_the_baseline():
+    baseline = RunningBaseline()
+    advantages = baseline.advantages(torch.tensor([1.0, float("nan")]), valid=torch.tensor([True, False]))
+    assert advantages.tolist() == [1.0, 0.0]
+    assert baseline.value == pytest.approx(0.1)
+    with pytest.raises(FloatingPointError):
+        baseline.advantages(torch.tensor([float("nan")]))
+
+
+def test_length_weighting_after_the_baseline_update():
+    baseline = RunningBaseline()
+    baseline.value = 0.2
+    advantages = length_weighted(baseline.advantages(torch.tensor([1.0, 0.0])), torch.tensor([2, 6]), 1024)
+    assert baseline.value == pytest.approx(0.2295)  # 0.9·0.2 + 0.1·0.495: lengths do not bias b
+    assert advantages.tolist() == pytest.approx([0.8 * 512, -0.21 * 1024 / 6])
+
+
+def test_grpo_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    advantages = group_advantages(rewards, group_size=3, normalize_std=False)
+    assert advantages.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
+    normalised = group_advantages(rewards, group_size=3)
+    assert normalised[:3].std().item() == pytest.approx(1.0, rel=1e-4)
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(rewards, group_size=4)

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from logra_rl.rl import RunningBaseline, length_weighted, policy_gradient_loss
+
+
+def test_reinforce_gradient_matches_the_reference_recipe():
+    """∂L/∂log π = −A'·min(π_train/π_rollout, 2)·mask, with A' length-weighted (reference §6.1)."""
+    baseline = RunningBaseline()
+    baseline.value = 0.2
+    outcomes = torch.tensor([1.0, 0.0])
+    lengths = torch.tensor([2, 6])
+    advantages = length_weighted(baseline.advantages(outcomes), lengths, 1024).float()
+    logprobs = torch.full((2, 6), -1.0, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    ratios = torch.tensor([0.5, 3.0])  # π_train / π_rollout per row: one below the cap, one above
+    rollout = logprobs.detach() - ratios.log()[:, None]
+    loss, stats = policy_gradient_loss(logprobs, rollout, advantages, mask, tis_cap=2.0)
+    loss.backward()
+    o = torch.tensor([1.0, -0.01])
+    expected = -(o - 0.2)[:, None] * (1024 / lengths[:, None]) * ratios.clamp(max=2)[:, None] * mask
+    torch.testing.assert_close(logprobs.grad, expected)
+    assert stats.tokens == 8 and stats.is_truncated == 6
+    assert stats.is_ratio_sum == pytest.approx(2 * 0.5 + 6 * 3.0)
+
+
+def test_ppo_clipping_stops_the_gradient_outside_the_trust_region():
+    old = torch.zeros(1, 3)
+    logprobs = torch.tensor([[0.5, -0.5, 0.05]], requires_grad=True)  # ratios e^0.5, e^-0.5, e^0.05
+    mask = torch.ones(1, 3)
+    loss, stats = policy_gradient_loss(
+        logprobs, old, torch.tensor([1.0]), mask, old_logprobs=old, clip_low=0.2, clip_high=0.2
+    )
+    loss.backward()
+    # A > 0: the ratio e^0.5 > 1.2 is clipped (no gradient); e^-0.5 and e^0.05 still push up
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] < 0 and logprobs.grad[0, 2] < 0
+    assert stats.clipped == 1

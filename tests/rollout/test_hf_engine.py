@@ -1,0 +1,69 @@
+"""The HF rollout engine: sampling log-probs, payload merges, refusals, full resync."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
+from logra_rl.rollout import SamplingParams
+from logra_rl.rollout.hf_engine import HFEngine
+
+TARGETS = LoGRAConfig().target_modules
+
+
+def prompts(engine, digits=(1, 5, 9)):
+    template = engine.tokenizer.apply_chat_template
+    return [
+        list(template([{"role": "user", "content": f"{d}+1=?"}], add_generation_prompt=True)["input_ids"])
+        for d in digits
+    ]
+
+
+def test_generate_returns_the_sampling_logprobs(quickstart_model):
+    engine = HFEngine(quickstart_model, "float32", "none", TARGETS)
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=4, n=2)
+    completions = engine.generate(prompts(engine), params, seed=3)
+    assert len(completions) == 6
+    assert completions == engine.generate(prompts(engine), params, seed=3)  # seeded
+    eos = engine.tokenizer.eos_token_id
+    for c in completions:
+        assert len(c.token_ids) == len(c.logprobs) > 0
+        assert c.finished == (c.token_ids[-1] == eos)
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / 0.7
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
+    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    trainer = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32)
+    opt = LoGRAOptimizer(trainer, LoGRAConfig(rank=8, seed=2, update_ratio=1e-3))
+    engine.load_weights(trainer.state_dict(), version=0)
+    ids = torch.tensor(prompts(engine))
+    payloads = []
+    for _ in range(3):
+        trainer(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        opt.prepare(num_tokens=ids.numel())
+        payloads.append(opt.commit(1.0).to_bytes())
+        assert engine.apply_payload(payloads[-1]).applied
+    assert engine.version == 3
+    modules = dict(trainer.named_modules())
+    for name, weight in engine.merger.weights.items():
+        assert torch.equal(weight, modules[name].weight.detach().to(torch.bfloat16)), name
+    stale = engine.apply_payload(payloads[1])
+    assert not stale.applied and "stale" in stale.reason and stale.version == 3
+    coordinates = {name: (torch.tensor([0, 3]), torch.tensor([1, 2])) for name in list(engine.merger.weights)[:2]}
+    values = engine.weights_at(coordinates)
+    for name, (rows, cols) in coordinates.items():
+        assert torch.equal(values[name], modules[name].weight.detach()[rows, cols].to(torch.bfloat16).float())
+
+
+def test_full_resync_resets_version_and_weights(quickstart_model):
+    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
+    master = {k: v + 0.01 for k, v in master.items()}
+    result = engine.load_weights(master, version=7)
+    assert result.applied and engine.version == 7
+    for name, weight in engine.model.state_dict().items():
+        assert torch.equal(weight, master[name].to(torch.bfloat16)), name

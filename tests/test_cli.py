@@ -1,0 +1,92 @@
+"""`logra-train` as users run it: bad configs fail fast, a killed run resumes to the same metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LOGRA_TRAIN = str(Path(sys.executable).parent / "logra-train")
+VOLATILE = ("timing_s/", "perf/", "memory/")  # wall-clock and process-size metrics differ between runs
+
+
+def logra_train(*args, cwd, timeout=300):
+    return subprocess.run([LOGRA_TRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(record):
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["+experiment=nope"], "Could not find 'experiment/nope'"),
+        (["trainer.total_stepz=3"], "Could not override 'trainer.total_stepz'"),
+        (["logra.rank=0"], "logra config: rank=0 is invalid"),
+        (["model=hf"], "model.path is required"),
+    ],
+)
+def test_bad_config_fails_fast_with_one_clear_line(tmp_path, args, message):
+    start = time.perf_counter()
+    result = logra_train(*args, cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout
+    assert time.perf_counter() - start < 30
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+
+
+def test_print_resolved_config(tmp_path):
+    result = logra_train("--cfg", "job", "logra.rank=16", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "rank: 16" in result.stdout and "experiment: quickstart" in result.stdout
+
+
+def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
+    common = [
+        "model=hf",
+        f"model.path={quickstart_model}",
+        "trainer.prompts_per_step=16",
+        "trainer.checkpoint_every=3",
+        "trainer.eval_every=3",
+        "logger.progress=false",
+        "logger.plot=false",
+    ]
+    result = logra_train(*common, "trainer.total_steps=6", "trainer.run_name=straight", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = metrics(tmp_path / "outputs/quickstart/straight")
+    assert [r["step"] for r in straight] == list(range(7))  # 6 steps + the final eval record
+    assert {"eval/quickstart/pass@1", "eval/quickstart/pass@4"} <= set(
+        straight[3]
+    ) and "eval/quickstart/pass@4" in straight[6]
+
+    run_dir = tmp_path / "outputs/quickstart/killed"
+    process = subprocess.Popen(
+        [LOGRA_TRAIN, *common, "trainer.total_steps=1000", "trainer.run_name=killed"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints/latest").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver, its Ray cluster and its workers, mid-run
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert (run_dir / "checkpoints/step_3/controller.json").exists()
+
+    result = logra_train(*common, "trainer.total_steps=6", "trainer.run_name=killed", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(7))
+    assert [stable(r) for r in resumed] == [stable(r) for r in straight]

@@ -1,0 +1,68 @@
+"""The Hydra tree and the config dataclasses stay in step; bad values fail with the key's name."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+import logra_rl
+from logra_rl.config import RunConfig
+
+CONFIGS = Path(logra_rl.__file__).parent / "configs"
+
+
+def compose_with(overrides):
+    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def field_names(cls):
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(CONFIGS) for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "experiment")
+)
+def test_every_group_option_sets_every_key_of_its_dataclass(path):
+    group, option = path.parent.name, path.stem
+    cfg = compose_with([f"{group}={option}"])
+    node = OmegaConf.to_container(cfg[group])
+    cls = {f.name: f for f in dataclasses.fields(RunConfig)}[group].default_factory
+    assert set(node) == field_names(cls), f"{path}: keys differ from {cls.__name__}'s fields"
+    if group == "logra":
+        assert set(node["kl"]) == field_names(type(cls().kl))
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_and_validates(experiment):
+    config = RunConfig.from_mapping(compose_with([f"+experiment={experiment}"]))
+    assert config.experiment == experiment
+
+
+def test_default_is_the_quickstart():
+    config = RunConfig.from_mapping(compose_with([]))
+    assert (config.experiment, config.model.builder, config.data.task) == ("quickstart", "quickstart", "quickstart")
+    assert (config.cluster.train_workers, config.rollout.num_engines, config.optimizer.name) == (2, 1, "logra")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["logra.rank=0"], "logra config: rank=0 is invalid"),
+        (["rollout.top_p=1.5"], "rollout.top_p=1.5 is invalid"),
+        (["optimizer.name=sgd"], "optimizer.name='sgd' is invalid"),
+        (["cluster.train_workers=0"], "cluster.train_workers=0 is invalid"),
+        (["algorithm.epochs=3"], "several epochs need PPO clipping"),
+        (["model=hf"], "config: model.path is required by the chosen config"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig.from_mapping(compose_with(overrides))
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ValueError, match=r"unknown top-level key\(s\) \['trainr'\]"):
+        RunConfig.from_mapping({"trainr": {}})
