@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from logra_rl.config import OptimizerConfig
 from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
@@ -26,10 +27,15 @@ def dense_lr_factor(step: int, config: OptimizerConfig) -> float:
 
 
 class DenseUpdate:
-    """AdamW over every parameter; gradients of the token-sum loss are divided by the global token count."""
+    """AdamW over every parameter, on the gradient of the global token-mean loss.
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig) -> None:
+    Each rank backpropagates its token-sum loss; FSDP2 averages gradients over the ranks, so the
+    gradient is rescaled by world_size / global tokens (gloo has no pre-scaled sum to do it inside).
+    """
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, world_size: int) -> None:
         self.config = config
+        self.world_size = world_size
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
@@ -40,8 +46,9 @@ class DenseUpdate:
         lr = self.config.lr * dense_lr_factor(step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:
-            grad.div_(num_tokens)
-        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            grad.mul_(self.world_size / num_tokens)
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -86,10 +86,7 @@ class TrainWorker:
         model.requires_grad_(dense)
         self.model = self._shard(model.to(self.device))
         if dense:
-            for module in self.model.modules():
-                if hasattr(module, "set_gradient_divide_factor"):
-                    module.set_gradient_divide_factor(1.0)  # gradients of summed per-rank losses: no averaging
-            self.optimizer = DenseUpdate(self.model, self.config.optimizer)
+            self.optimizer = DenseUpdate(self.model, self.config.optimizer, self.world_size)
         else:
             self.optimizer = LoGRAUpdate(self.model, self.config.logra, self.temperature)
         self.model.train()
