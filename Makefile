@@ -1,10 +1,10 @@
-# One command each: `make test` (set up + lint + tests), `make setup`.
+# One command each: `make run` (set up + the CPU quickstart), `make test` (set up + lint + tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; on a GPU node install the project with `pip install -e ".[gpu]"` instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test lint bench clean
+.PHONY: setup run test lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
+
+run: setup
+	$(VENV)/bin/logra-train
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -2,12 +2,47 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIGS / group).glob("*.yaml"))
+
+
+def check_overrides(arguments: list[str]) -> str | None:
+    """One line naming a misspelt key, group option or experiment and what exists (Hydra does not list keys)."""
+    from logra_rl.config import RunConfig
+
+    groups = [path.name for path in CONFIGS.iterdir() if path.is_dir() and path.name != "__pycache__"]
+    for argument in arguments:
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.split("=", 1)
+        key = key.lstrip("+~")
+        if key in groups:
+            if value not in _options(key):
+                return f"unknown {key} {value!r}; choose one of {_options(key)}"
+            continue
+        if key.startswith("hydra.") or key == "experiment":
+            continue
+        node, path = RunConfig(), []
+        for part in key.split("."):
+            if not dataclasses.is_dataclass(node):
+                break  # free-form mappings (e.g. data.reasoning_gym) accept any key
+            names = [field.name for field in dataclasses.fields(node)]
+            if part not in names:
+                where = ".".join(path) or "the config"
+                return f"unknown key {key!r}: {where} has {sorted(names)}"
+            node, path = getattr(node, part), [*path, part]
+    return None
 
 
 def _train(cfg: DictConfig) -> None:
@@ -30,6 +65,9 @@ train = hydra.main(config_path="configs", config_name="config", version_base=Non
 
 
 def main() -> None:
+    problem = check_overrides(sys.argv[1:])
+    if problem:
+        sys.exit(f"logra-train: {problem}")
     train()
 
 

@@ -141,10 +141,16 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    """Ray: local by default; `address=auto` joins a running cluster. GPUs are logical on a CPU machine."""
+class RayConfig:
+    """`address`: null starts a local Ray (logical GPUs on a CPU machine); `auto` or host:port joins a cluster."""
 
     address: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the GPUs are split: `train_workers` FSDP2 ranks (one GPU each) + the rollout engines' GPUs."""
+
     train_workers: int = 2
     device: str = "auto"  # auto: cuda when available, else cpu (gloo, logical GPUs)
     cpus_per_worker: float = 1.0
@@ -207,6 +213,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
@@ -228,6 +235,7 @@ class RunConfig:
             "algorithm": lambda v: from_mapping(AlgorithmConfig, v, "algorithm."),
             "logra": lambda v: LoGRAConfig.from_dict(v or {}),
             "cluster": lambda v: from_mapping(ClusterConfig, v, "cluster."),
+            "ray": lambda v: from_mapping(RayConfig, v, "ray."),
             "trainer": lambda v: from_mapping(TrainerConfig, v, "trainer."),
             "logger": lambda v: from_mapping(LoggerConfig, v, "logger."),
         }

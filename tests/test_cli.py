@@ -29,8 +29,10 @@ def stable(record):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["+experiment=nope"], "Could not find 'experiment/nope'"),
-        (["trainer.total_stepz=3"], "Could not override 'trainer.total_stepz'"),
+        (["+experiment=nope"], "unknown experiment 'nope'; choose one of ['quickstart']"),
+        (["trainer.total_stepz=3"], "unknown key 'trainer.total_stepz': trainer has ['checkpoint_every'"),
+        (["logra.kl.budjet=1"], "unknown key 'logra.kl.budjet': logra.kl has ['alpha_max', 'budget'"),
+        (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra']"),
         (["logra.rank=0"], "logra config: rank=0 is invalid"),
         (["model=hf"], "model.path is required"),
     ],

@@ -27,19 +27,19 @@ def gpus_needed(config: RunConfig) -> int:
 
 
 def start_ray(config: RunConfig) -> bool:
-    """Join `cluster.address`, or start a local Ray; returns True when this call started Ray."""
+    """Join `ray.address`, or start a local Ray; returns True when this call started Ray."""
     if ray.is_initialized():
         return False
     runtime_env = {"env_vars": WORKER_ENV}
-    if config.cluster.address:
-        ray.init(address=config.cluster.address, runtime_env=runtime_env, log_to_driver=True)
+    if config.ray.address:
+        ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
         return True
     needed = gpus_needed(config)
     cuda = torch.cuda.device_count()
     if cuda and cuda < needed:
         raise ValueError(
             f"this node has {cuda} GPUs but the config needs {needed} (cluster.train_workers + "
-            "rollout.num_engines × rollout.gpus_per_engine); lower them or join a cluster with cluster.address"
+            "rollout.num_engines × rollout.gpus_per_engine); lower them or join a cluster with ray.address"
         )
     cpus = int(config.cluster.cpus_per_worker * (config.cluster.train_workers + config.rollout.num_engines)) + 1
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private cluster: no token files

@@ -78,3 +78,24 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     for name, (rows, cols) in ((n, (g[0], g[1])) for n, g in grid.items()):
         expected = master[f"{name}.weight"][rows, cols].to(torch.bfloat16).float()
         assert torch.equal(rollout[name], expected), name
+
+
+def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_model):
+    """optimizer=dense resyncs full weights every step; GRPO with 2 PPO epochs commits 2 LoGRA payloads a step."""
+    common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    grpo = ["algorithm=grpo", "rollout.n=4", "algorithm.epochs=2"]
+    for overrides, per_step in ((["optimizer=dense", "optimizer.lr=1e-3"], 1), (grpo, 2)):
+        controller = Controller(RunConfig.from_mapping(run_config(common + overrides)), tmp_path / str(per_step), {})
+        controller.setup()
+        try:
+            history = [controller.step(step) for step in range(2)]
+        finally:
+            controller.teardown()
+        assert [m["policy/version"] for m in history] == [per_step, 2 * per_step]
+        for metrics in history:
+            assert metrics["sync/weight_max_abs_diff"] == 0.0 and math.isfinite(metrics["actor/loss"])
+            if per_step == 1:  # dense: no payload, a full resync of bf16(master) instead
+                assert metrics["sync/payload_bytes"] == 0 and metrics["sync/full_resync_bytes"] > 0
+                assert metrics["actor/lr"] > 0
+            else:
+                assert metrics["sync/payload_bytes"] > 0 and metrics["sync/full_resync_bytes"] == 0
