@@ -243,4 +243,11 @@ class RunConfig:
         if unknown:
             raise ValueError(f"config: unknown top-level key(s) {unknown}; the groups are {sorted(groups)}")
         built = {name: build(values.get(name) or {}) for name, build in groups.items()}
+        rows = built["trainer"].prompts_per_step * built["rollout"].n
+        _check(
+            rows >= built["cluster"].train_workers,
+            "trainer.prompts_per_step",
+            built["trainer"].prompts_per_step,
+            f"each of the {built['cluster'].train_workers} train workers needs at least one response per step",
+        )
         return cls(experiment=values.get("experiment", "quickstart"), **built)

@@ -286,7 +286,7 @@ class Controller:
             results = self.train.call("update", step, sums["tokens"], sums["gap"], int(sums["gap_tokens"]))
             update_metrics, payload = results[0]
             payloads.append(payload)
-            if update_metrics.get("logra/skipped", 0.0) == 0.0:
+            if not update_metrics.get("logra/skipped", update_metrics.get("actor/skipped", 0.0)):
                 self.version += 1
             metrics = {
                 "actor/loss": sums["loss"] / max(sums["tokens"], 1),

@@ -49,12 +49,14 @@ class DenseUpdate:
             grad.mul_(self.world_size / num_tokens)
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
+        if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.update_count += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.update_count += 1
-        return {"actor/lr": lr, "actor/grad_norm": grad_norm}, None
+        return {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}, None
 
     def state_dict(self) -> dict:
         return {"update_count": self.update_count}
