@@ -3,7 +3,7 @@
 Pure torch: nothing here imports Ray, vLLM or Hydra.
 """
 
-from logra_rl.logra.config import KLConfig, LoGRAConfig
+from logra_rl.logra.config import DEFAULT_TARGET_MODULES, KLConfig, LoGRAConfig
 from logra_rl.logra.kl import (
     KLController,
     exact_kl,
@@ -21,6 +21,7 @@ from logra_rl.logra.projection import canonical_name, make_projection, projectio
 from logra_rl.logra.rowadam import row_adam_direction
 
 __all__ = [
+    "DEFAULT_TARGET_MODULES",
     "KLConfig",
     "KLController",
     "LoGRAConfig",

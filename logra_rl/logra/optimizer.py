@@ -162,19 +162,19 @@ class LoGRAOptimizer:
     def _update_ratio_scale(self, directions: list[torch.Tensor]) -> float:
         """c with ‖c·D·A‖/‖W‖ = update_ratio over all targets together (global, not per layer).
 
-        ‖D·A‖² = Σ (D·G)⊙D with G = A·Aᵀ (rank × rank), in float64 over the local rows: exact,
-        and far cheaper than forming D·A. Sharded sums are reduced; replicated ones are not.
+        ‖D·A‖² = Σ (D·G)⊙D with G = A·Aᵀ (rank × rank) over the local rows, summed in float64:
+        about 2r/k of the cost of forming D·A. Sharded sums are reduced; replicated ones are not.
         """
         device = self.targets[0].sketch.device
         sharded = torch.zeros(2, dtype=torch.float64, device=device)  # [‖W‖², ‖DA‖²]
         replicated = torch.zeros(2, dtype=torch.float64, device=device)
         for target, direction in zip(self.targets, directions, strict=True):
             weight, offset = local_rows(target.module.weight)
-            rows = direction[offset : offset + weight.shape[0]].double()
-            gram = target.projection.double() @ target.projection.double().t()
+            rows = direction[offset : offset + weight.shape[0]]
+            gram = target.projection @ target.projection.t()  # exact in fp32 for Rademacher A
             sums = sharded if isinstance(target.module.weight, DTensor) else replicated
-            sums[0] += torch.linalg.vector_norm(weight, dtype=torch.float64) ** 2
-            sums[1] += ((rows @ gram) * rows).sum()
+            sums[0] += torch.linalg.vector_norm(weight).double() ** 2
+            sums[1] += ((rows @ gram) * rows).sum(dtype=torch.float64)
         if _distributed() and any(isinstance(t.module.weight, DTensor) for t in self.targets):
             dist.all_reduce(sharded, group=self.process_group)
         weight_sq, update_sq = (sharded + replicated).tolist()
@@ -252,6 +252,11 @@ class LoGRAOptimizer:
     def _draw_projections(self) -> None:
         for target in self.targets:
             target.draw_projection(self._projection_update())
+
+    def state_nbytes(self) -> int:
+        """Bytes LoGRA keeps per rank: sketches, projections and RowAdam row moments (directions are transient)."""
+        tensors = [t.sketch for t in self.targets] + [t.projection for t in self.targets] + self.second_moments
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- KL ---------------------------------------------------------------------------------
 

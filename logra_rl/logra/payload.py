@@ -70,15 +70,25 @@ class UpdatePayload:
     def factor_bytes(self) -> int:
         return sum(entry.factor.numel() * entry.factor.element_size() for entry in self.entries)
 
-    def to_bytes(self) -> bytes:
+    def __post_init__(self) -> None:
+        dtype = WIRE_TORCH_DTYPES.get(self.wire_dtype)
+        if dtype is None:
+            raise ValueError(f"wire_dtype={self.wire_dtype!r}; choose one of {sorted(WIRE_TORCH_DTYPES)}")
+        for entry in self.entries:
+            if entry.factor.dtype != dtype or tuple(entry.factor.shape) != (entry.d_out, self.rank):
+                raise ValueError(
+                    f"payload factor of {entry.name!r} is {entry.factor.dtype} {tuple(entry.factor.shape)}, expected "
+                    f"{dtype} {(entry.d_out, self.rank)}: factors must be exactly what the trainer merged"
+                )
+
+    def to_bytes(self) -> bytearray:
+        """Serialise into one preallocated buffer (the factors are copied once, not joined)."""
         if sys.byteorder != "little":
             raise RuntimeError("LoGRA payloads are little-endian; this host is big-endian")
-        dtype = WIRE_TORCH_DTYPES[self.wire_dtype]
-        blobs = []
-        for entry in self.entries:
-            factor = entry.factor.detach().to(device="cpu", dtype=dtype).contiguous()
-            blobs.append(factor.view(torch.uint8).numpy().tobytes())
-        blob = b"".join(blobs)
+        factors = [entry.factor.detach().to("cpu").contiguous().view(torch.uint8).numpy() for entry in self.entries]
+        digest = hashlib.blake2b(digest_size=16)
+        for factor in factors:
+            digest.update(factor)
         header = {
             "base_version": self.base_version,
             "new_version": self.new_version,
@@ -88,12 +98,18 @@ class UpdatePayload:
             "distribution": self.distribution,
             "wire_dtype": self.wire_dtype,
             "fingerprint": self.fingerprint,
-            "factor_bytes": len(blob),
-            "factor_digest": hashlib.blake2b(blob, digest_size=16).hexdigest(),
+            "factor_bytes": self.factor_bytes,
+            "factor_digest": digest.hexdigest(),
             "modules": [[entry.name, entry.d_out, entry.k_in] for entry in self.entries],
         }
         packed = zlib.compress(json.dumps(header, separators=(",", ":")).encode("utf-8"), 9)
-        return MAGIC + struct.pack("<I", len(packed)) + packed + blob
+        start = len(MAGIC) + 4 + len(packed)
+        buffer = bytearray(start + self.factor_bytes)
+        buffer[:start] = MAGIC + struct.pack("<I", len(packed)) + packed
+        for factor in factors:
+            buffer[start : start + factor.nbytes] = factor.data
+            start += factor.nbytes
+        return buffer
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> UpdatePayload:

@@ -92,3 +92,9 @@ def test_corrupted_or_foreign_bytes_are_rejected():
     header_hit[20] ^= 0xFF
     with pytest.raises(PayloadFormatError):
         UpdatePayload.from_bytes(bytes(header_hit))
+
+
+def test_factors_must_be_in_the_wire_dtype():
+    entry = PayloadEntry("model.layers.0.self_attn.q_proj", 4, 8, torch.zeros(4, 2))  # fp32, wire says bf16
+    with pytest.raises(ValueError, match="factors must be exactly what the trainer merged"):
+        UpdatePayload(0, 1, 42, 0, 2, "rademacher", "bfloat16", "0" * 32, (entry,))

@@ -56,6 +56,12 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     try:
         history = [controller.step(step) for step in range(3)]
         evaluation = controller.evaluate(3)
+        # a duplicated payload is refused by the version gate; the controller resyncs and carries on
+        prompts = controller.sampler.next_batch(16)
+        completions = controller.generate(prompts, controller.sampling(), seed=5)
+        rewards, _ = controller.grade(prompts, completions)
+        _, payloads = controller.train_on(controller.pack(completions, controller.advantages(rewards, completions)), 3)
+        duplicate = controller.sync(payloads + payloads, step=3)
         master = next(s for s in controller.train.call("full_state") if s is not None)
         grid = {
             name: torch.cartesian_prod(torch.arange(r), torch.arange(c)).T
@@ -75,6 +81,8 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}
+    assert duplicate["sync/refused"] == 1 and duplicate["sync/full_resync_bytes"] > 0
+    assert duplicate["sync/weight_max_abs_diff"] == 0.0
     for name, (rows, cols) in ((n, (g[0], g[1])) for n, g in grid.items()):
         expected = master[f"{name}.weight"][rows, cols].to(torch.bfloat16).float()
         assert torch.equal(rollout[name], expected), name
