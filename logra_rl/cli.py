@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -58,13 +59,30 @@ def _train(cfg: DictConfig) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
-    Controller(config, run_dir, resolved).run()
+    try:
+        Controller(config, run_dir, resolved).run()
+    except Exception as error:
+        _exit_with_one_line(error)
+
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError)
+
+
+def _exit_with_one_line(error: Exception) -> None:
+    """A configuration or data problem (also when raised inside a Ray worker) is one line; anything else a traceback."""
+    cause = getattr(error, "cause", None) if type(error).__name__.startswith("RayTaskError") else error
+    if isinstance(cause, USER_ERRORS) and not os.environ.get("LOGRA_TRACEBACK"):
+        sys.exit(f"logra-train: {type(cause).__name__}: {cause}  (LOGRA_TRACEBACK=1 shows the traceback)")
+    raise error
 
 
 train = hydra.main(config_path="configs", config_name="config", version_base=None)(_train)
 
 
 def main() -> None:
+    import transformers
+
+    transformers.logging.disable_progress_bar()
     problem = check_overrides(sys.argv[1:])
     if problem:
         sys.exit(f"logra-train: {problem}")

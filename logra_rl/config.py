@@ -131,6 +131,17 @@ class AlgorithmConfig:
             "running_baseline or grpo",
         )
         _check(self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "must be > 0")
+        _check(0 < self.baseline_weight <= 1, "algorithm.baseline_weight", self.baseline_weight, "must be in (0, 1]")
+        _check(
+            self.length_reference is None or self.length_reference > 0,
+            "algorithm.length_reference",
+            self.length_reference,
+            "must be > 0 tokens, or null to turn length weighting off",
+        )
+        _check(
+            self.clip_low is None or 0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "must be in [0, 1)"
+        )
+        _check(self.clip_high is None or self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "must be >= 0")
         _positive_int("algorithm.epochs", self.epochs)
         _check(
             self.epochs == 1 or self.clip_low is not None or self.clip_high is not None,
@@ -249,5 +260,18 @@ class RunConfig:
             "trainer.prompts_per_step",
             built["trainer"].prompts_per_step,
             f"each of the {built['cluster'].train_workers} train workers needs at least one response per step",
+        )
+        _check(
+            built["algorithm"].estimator != "grpo" or built["rollout"].n >= 2,
+            "rollout.n",
+            built["rollout"].n,
+            "GRPO compares responses within a group: set rollout.n >= 2",
+        )
+        probe_tokens = built["logra"].kl.probe_max_tokens
+        _check(
+            probe_tokens > built["data"].max_prompt_length,
+            "logra.kl.probe_max_tokens",
+            probe_tokens,
+            f"must exceed data.max_prompt_length ({built['data'].max_prompt_length}) or the probe sees no response",
         )
         return cls(experiment=values.get("experiment", "quickstart"), **built)

@@ -56,6 +56,10 @@ def test_default_is_the_quickstart():
         (["cluster.train_workers=0"], "cluster.train_workers=0 is invalid"),
         (["algorithm.epochs=3"], "several epochs need PPO clipping"),
         (["model=hf"], "config: model.path is required by the chosen config"),
+        (["algorithm=grpo"], "GRPO compares responses within a group: set rollout.n >= 2"),
+        (["algorithm.clip_low=1.5"], "algorithm.clip_low=1.5 is invalid"),
+        (["logra.kl.probe_max_tokens=32"], "must exceed data.max_prompt_length (64)"),
+        (["trainer.prompts_per_step=1"], "each of the 2 train workers needs at least one response"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -28,8 +28,8 @@ class DataConfig:
     system_prompt: prepended as a system message to every prompt (replacing a record's own system message).
     seed: generator seed (reasoning_gym) and hold-out split seed (files).
     train_size / eval_size: how many examples; None → all records (files) or 10000 / 200 (reasoning_gym).
-    max_prompt_length / max_response_length: tokens (verl's names); longer prompts are an error, responses
-        are cut at max_response_length (and count in response_length/clip_ratio).
+    max_prompt_length / max_response_length: tokens (verl's names); longer prompts are dropped at start (the
+        count is printed), responses are cut at max_response_length (and count in response_length/clip_ratio).
     reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights) or a
         mapping name → sampling weight (several names make a weighted mixture); the optional `config` maps a
         name to its generator kwargs, e.g.

@@ -6,6 +6,7 @@ Pure torch: nothing here imports Ray, vLLM or Hydra.
 from logra_rl.logra.config import DEFAULT_TARGET_MODULES, KLConfig, LoGRAConfig
 from logra_rl.logra.kl import (
     KLController,
+    ProbeError,
     exact_kl,
     finite_difference_kl,
     jvp_kl,
@@ -30,6 +31,7 @@ __all__ = [
     "PayloadFormatError",
     "PayloadMerger",
     "PayloadRefused",
+    "ProbeError",
     "UpdatePayload",
     "apply_payload",
     "canonical_name",

@@ -33,6 +33,10 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
 
 
+class ProbeError(RuntimeError):
+    """The KL probe could not measure the proposal (no generated tokens, or the JVP was lost)."""
+
+
 def predicted_kl(logits: torch.Tensor, tangent: torch.Tensor, temperature: float) -> torch.Tensor:
     """Second-order KL(π ‖ π + ε·dπ)/ε² per position (float64): ½·Var_{v∼p}(ż_v)/T²."""
     if logits.shape != tangent.shape:
@@ -131,7 +135,7 @@ def jvp_kl(
         logits = forward(input_ids)
         primal, tangent = fwAD.unpack_dual(logits)
         if tangent is None:
-            raise RuntimeError(
+            raise ProbeError(
                 "the JVP was lost between the targeted layers and the logits; does `forward` detach "
                 "activations or run the targets under a different module instance?"
             )

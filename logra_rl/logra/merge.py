@@ -27,23 +27,32 @@ class PayloadRefused(ValueError):
     """The payload cannot be applied to these weights; nothing was written."""
 
 
+def row_chunks(rows: int, chunk_rows: int, row_offset: int = 0) -> list[slice]:
+    """Local row slices whose global boundaries are multiples of `chunk_rows`."""
+    first = (-row_offset) % chunk_rows or chunk_rows  # local rows before the next global boundary
+    starts = [0, *range(first, rows, chunk_rows)]
+    return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], rows], strict=True)]
+
+
 def merge_low_rank_(
     weight: torch.Tensor,
     factor: torch.Tensor,
     projection: torch.Tensor,
     residual: torch.Tensor | None = None,
     chunk_rows: int = 256,
+    row_offset: int = 0,
 ) -> None:
     """weight ← weight − factor·projection in place, in fp32 row chunks, rounding once per element.
 
     `factor` holds the rows of U matching `weight`'s rows; no full ΔW is ever materialised.
     `residual` (same shape as weight) carries the rounding error of low-precision weights.
+    `row_offset` is the global index of weight's first row (a shard): chunks start at global
+    multiples of `chunk_rows`, so every holder of a row computes it in the same GEMM shape.
     """
     projection = projection.to(device=weight.device, dtype=torch.float32)
     exact_in_place = weight.dtype == torch.float32 and residual is None
     with torch.no_grad():
-        for start in range(0, weight.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
+        for rows in row_chunks(weight.shape[0], chunk_rows, row_offset):
             change = factor[rows].to(device=weight.device, dtype=torch.float32) @ projection
             if exact_in_place:
                 weight[rows].sub_(change)
@@ -60,6 +69,8 @@ def merge_low_rank_(
 
 def check_payload(payload: UpdatePayload, weights: Mapping[str, torch.Tensor], version: int) -> None:
     """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `weights`."""
+    if payload.new_version != payload.base_version + 1:
+        raise PayloadRefused(f"malformed payload: version {payload.base_version} -> {payload.new_version}")
     if payload.base_version != version:
         kind = "duplicate or stale" if payload.new_version <= version else "out-of-order"
         raise PayloadRefused(

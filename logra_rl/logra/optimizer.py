@@ -26,7 +26,15 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from logra_rl.logra.config import LoGRAConfig
-from logra_rl.logra.kl import KLController, LogitsFn, LowRankStep, finite_difference_kl, jvp_kl, step_kl
+from logra_rl.logra.kl import (
+    KLController,
+    LogitsFn,
+    LowRankStep,
+    ProbeError,
+    finite_difference_kl,
+    jvp_kl,
+    step_kl,
+)
 from logra_rl.logra.merge import merge_low_rank_
 from logra_rl.logra.payload import WIRE_TORCH_DTYPES, PayloadEntry, UpdatePayload
 from logra_rl.logra.projection import projection_fingerprint
@@ -49,6 +57,16 @@ def find_targets(model: nn.Module, target_modules: tuple[str, ...]) -> list[tupl
             f"include {linears[:6]}; set target_modules to their last name components"
         )
     return found
+
+
+def check_rank(modules: list[tuple[str, nn.Linear]], rank: int) -> None:
+    """The rank must not exceed min(d_out, k_in) of any target."""
+    for name, module in modules:
+        if rank > min(module.out_features, module.in_features):
+            raise ValueError(
+                f"LoGRA rank {rank} exceeds min(d_out, k_in) = "
+                f"{min(module.out_features, module.in_features)} of {name!r}; lower logra.rank"
+            )
 
 
 def local_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -87,13 +105,9 @@ class LoGRAOptimizer:
         self.config = config
         self.process_group = process_group
         modules = find_targets(model, config.target_modules)
+        check_rank(modules, config.rank)
         for name, module in modules:
             _check_layout(name, module.weight)
-            if config.rank > min(module.out_features, module.in_features):
-                raise ValueError(
-                    f"LoGRA rank {config.rank} exceeds min(d_out, k_in) = "
-                    f"{min(module.out_features, module.in_features)} of {name!r}; lower logra.rank"
-                )
         model.requires_grad_(False)
         self.targets = [
             LinearSketch(name, module, config.rank, config.seed, config.distribution) for name, module in modules
@@ -209,6 +223,7 @@ class LoGRAOptimizer:
                 factor[offset : offset + weight.shape[0]],
                 target.projection,
                 chunk_rows=self.config.merge_chunk_rows,
+                row_offset=offset,
             )
             entries.append(PayloadEntry(target.name, target.out_features, target.in_features, factor))
         payload = UpdatePayload(
@@ -308,7 +323,7 @@ class LoGRAOptimizer:
             dist.all_reduce(packed, group=self.process_group)
             total, count = packed
         if count == 0:
-            raise RuntimeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
+            raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
         q = float(total / count)
         if not (math.isfinite(q) and q >= 0):
             raise FloatingPointError(f"KL probe returned {q}; the step is refused")

@@ -89,13 +89,27 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same call on every actor, concurrently; returns their results in actor order."""
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self.gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def call_each(self, method: str, arguments: Sequence[Sequence[Any]]) -> list[Any]:
         """Actor i gets `arguments[i]`."""
-        return ray.get([getattr(a, method).remote(*args) for a, args in zip(self.actors, arguments, strict=True)])
+        return self.gather([getattr(a, method).remote(*args) for a, args in zip(self.actors, arguments, strict=True)])
+
+    def gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Results in order; the first failure kills the group, so ranks blocked in a collective never hang."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:
+                self.kill()
+                raise
+        return ray.get(refs)
 
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-        remove_placement_group(self.placement_group)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

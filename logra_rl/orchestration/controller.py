@@ -28,6 +28,7 @@ from logra_rl.config import RunConfig
 from logra_rl.data import Example, PromptSampler, load_task
 from logra_rl.eval import pass_at_k_metrics
 from logra_rl.logra import find_targets
+from logra_rl.logra.optimizer import check_rank
 from logra_rl.models.tiny import build_quickstart_model
 from logra_rl.orchestration.cluster import WorkerGroup, start_ray
 from logra_rl.rewards import GradeRequest, RewardPool, grader_metrics
@@ -75,13 +76,14 @@ class Controller:
     def setup(self) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        task = load_task(config.data)
         self.model_path = self._model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        task = load_task(config.data)
         self.task_name = task.name
         self.train_prompts = self._encode(task.train, "train")
         self.eval_prompts = self._encode(task.eval, "eval")
         self.sampler = PromptSampler(self.train_prompts, config.data.seed)
+        self.targets = self._target_shapes()  # checks targets and rank on the driver, before any actor starts
         self._owns_ray = start_ray(config)
         self.train = WorkerGroup(
             TrainWorker,
@@ -104,6 +106,7 @@ class Controller:
                 config.logra.target_modules,
                 "cuda" if torch.cuda.is_available() and config.cluster.device != "cpu" else "cpu",
                 config.model.attn_implementation,
+                config.logra.merge_chunk_rows,
             ),
         )
         master = ray.get(self.train.actors[0].address.remote())
@@ -111,7 +114,6 @@ class Controller:
         self.rewards = RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s)
         self._resume()
         self.full_resync()
-        self.targets = self._target_shapes()
         self.metrics = MetricsLogger(
             self.run_dir, config.logger, self.resolved_config, config.trainer.total_steps, self.start_step
         )
@@ -147,7 +149,9 @@ class Controller:
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
-        return {name: tuple(m.weight.shape) for name, m in find_targets(model, self.config.logra.target_modules)}
+        modules = find_targets(model, self.config.logra.target_modules)
+        check_rank(modules, self.config.logra.rank)
+        return {name: tuple(m.weight.shape) for name, m in modules}
 
     def _resume(self) -> None:
         resume = self.config.trainer.resume
@@ -211,7 +215,7 @@ class Controller:
             **sync_metrics,
             **self.memory_metrics(),
             **timer.seconds,
-            "perf/updates_per_hour": 3600 / timer.seconds["timing_s/step"],
+            "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / timer.seconds["timing_s/step"],
         }
 
     def sampling(self, evaluation: bool = False) -> SamplingParams:
@@ -226,8 +230,12 @@ class Controller:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, seed: int) -> list[Completion]:
         """Split the prompts over the engines (contiguous chunks); completions come back in prompt order."""
         chunks = np.array_split(np.arange(len(prompts)), len(self.rollout))
-        arguments = [([prompts[i].token_ids for i in chunk], params, seed + e) for e, chunk in enumerate(chunks)]
-        return [c for part in self.rollout.call_each("generate", arguments) for c in part]
+        calls = [
+            engine.generate.remote([prompts[i].token_ids for i in chunk], params, seed + e)
+            for e, (engine, chunk) in enumerate(zip(self.rollout.actors, chunks, strict=True))
+            if len(chunk)  # fewer prompts than engines: the rest sit this one out
+        ]
+        return [c for part in self.rollout.gather(calls) for c in part]
 
     def grade(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> tuple[torch.Tensor, dict]:
         n = len(completions) // len(prompts)
@@ -260,7 +268,8 @@ class Controller:
         rows = [c.prompt_ids + c.token_ids for c in completions]
         width = max(len(r) for r in rows)
         shape = (len(rows), width)
-        input_ids = torch.full(shape, self.tokenizer.pad_token_id, dtype=torch.long)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        input_ids = torch.full(shape, pad, dtype=torch.long)
         attention_mask = torch.zeros(shape, dtype=torch.long)
         loss_mask = torch.zeros(shape)
         rollout_logprobs = torch.zeros(shape)
@@ -281,12 +290,14 @@ class Controller:
             old = self.train.call_each("logprobs", [(shard,) for shard in shards])
             shards = [_with_old_logprobs(shard, logprobs) for shard, logprobs in zip(shards, old, strict=True)]
         payloads, metrics = [], {}
-        for _ in range(algorithm.epochs):
+        for epoch in range(algorithm.epochs):
             sums = _sum(self.train.call_each("forward_backward", [(shard,) for shard in shards]))
-            results = self.train.call("update", step, sums["tokens"], sums["gap"], int(sums["gap_tokens"]))
+            # the rollout-vs-trainer gap is measured once, before this step's first update moved the weights
+            gap_tokens = int(sums["gap_tokens"]) if epoch == 0 else 0
+            results = self.train.call("update", step, sums["tokens"], sums["gap"], gap_tokens)
             update_metrics, payload = results[0]
             payloads.append(payload)
-            if not update_metrics.get("logra/skipped", update_metrics.get("actor/skipped", 0.0)):
+            if not update_metrics["actor/skipped"]:
                 self.version += 1
             metrics = {
                 "actor/loss": sums["loss"] / max(sums["tokens"], 1),
@@ -306,7 +317,8 @@ class Controller:
         state = next(s for s in self.train.call("full_state") if s is not None)
         reference = ray.put(state)
         for result in self.rollout.call("load_weights", reference, self.version):
-            assert result.version == self.version
+            if result.version != self.version:
+                raise RuntimeError(f"full resync left an engine at version {result.version}, not {self.version}")
         return float(sum(t.numel() * t.element_size() for t in state.values()))
 
     def sync(self, payloads: Sequence[bytes | None], step: int) -> dict[str, float]:
@@ -318,7 +330,7 @@ class Controller:
             if payload is None:
                 continue
             payload_bytes += len(payload)
-            results = self.rollout.call("apply_payload", payload)
+            results = self.rollout.call("apply_payload", ray.put(payload))
             refused += sum(not r.applied for r in results)
             if refused:
                 needs_resync = True
@@ -343,13 +355,17 @@ class Controller:
         }
         masters = self.train.call("weights_at", coordinates)
         engines = self.rollout.call("weights_at", coordinates)
-        worst = 0.0
         dtype = getattr(torch, self.config.rollout.dtype)
+        worst = 0.0
         for name in coordinates:
-            master = torch.stack([m[name] for m in masters]).nan_to_num(0).sum(0)  # each row lives on one rank
+            holders = torch.stack([held for _, held in (m[name] for m in masters)]).sum(0)
+            if not bool((holders == 1).all()):
+                raise RuntimeError(f"drift probe: rows of {name} are not held by exactly one train rank")
+            master = torch.stack([values for values, _ in (m[name] for m in masters)]).sum(0)
             expected = master.to(dtype).float()
             for engine in engines:
-                worst = max(worst, float((engine[name] - expected).abs().max()))
+                difference = (engine[name] - expected).abs()
+                worst = max(worst, float("inf") if difference.isnan().any() else float(difference.max()))
         return worst
 
     # ---- metrics, eval, checkpoints ---------------------------------------------------------------
@@ -406,9 +422,8 @@ class Controller:
             console.print(f"[logra-train] metrics: {self.metrics.path}  plot: {png}")
 
     def teardown(self) -> None:
-        for name in ("rewards",):
-            if hasattr(self, name):
-                getattr(self, name).close()
+        if hasattr(self, "rewards"):
+            self.rewards.close()
         for name in ("train", "rollout"):
             if hasattr(self, name):
                 getattr(self, name).kill()

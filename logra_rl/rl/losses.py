@@ -51,7 +51,9 @@ def policy_gradient_loss(
         clipped = torch.zeros((), dtype=logprobs.dtype)
     else:
         ratio = torch.exp(logprobs - old)
-        bounded = ratio.clamp(1 - (clip_low or 0.0), 1 + (clip_high or 0.0))
+        bounded = ratio.clamp(
+            None if clip_low is None else 1 - clip_low, None if clip_high is None else 1 + clip_high
+        )  # a missing bound leaves that side unclipped
         surrogate = torch.minimum(ratio * advantages, bounded * advantages)
         per_token = -weight * surrogate
         clipped = ((ratio * advantages > bounded * advantages) * mask).sum()

@@ -8,12 +8,18 @@ a full resync loads the trainer's fp32 master state.
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from logra_rl.logra import PayloadMerger, PayloadRefused, UpdatePayload, canonical_name, find_targets
+from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets
 from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """End-of-turn ids: the generation config's (chat models list several) and the tokenizer's EOS."""
+    configured = model.generation_config.eos_token_id
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return sorted({*configured, tokenizer.eos_token_id} - {None})
 
 
 class HFEngine:
@@ -25,15 +31,20 @@ class HFEngine:
         target_modules: tuple[str, ...],
         device: str = "cpu",
         attn_implementation: str = "sdpa",
+        merge_chunk_rows: int = 256,
     ) -> None:
         self.device = torch.device(device)
+        transformers.logging.disable_progress_bar()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation
+            model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
         weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
-        self.merger = PayloadMerger(weights, residual_dtype=residual)
+        self.merger = PayloadMerger(weights, residual_dtype=residual, chunk_rows=merge_chunk_rows)
+        self.stop_ids = stop_token_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.stop_ids[0]
 
     @property
     def version(self) -> int:
@@ -47,7 +58,7 @@ class HFEngine:
         """Sample `params.n` responses per prompt (left-padded batch), with per-token sampling log-probs."""
         rows = [prompt for prompt in prompts for _ in range(params.n)]
         width = max(len(row) for row in rows)
-        pad = self.tokenizer.pad_token_id
+        pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         torch.manual_seed(seed)
@@ -59,7 +70,7 @@ class HFEngine:
             top_p=params.top_p,
             top_k=0,
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop_ids,
             pad_token_id=pad,
             output_scores=True,
             return_dict_in_generate=True,
@@ -69,16 +80,18 @@ class HFEngine:
         generated = out.sequences[:, width:].tolist()
         completions = []
         for prompt, tokens, token_logprobs in zip(rows, generated, logprobs.float().tolist(), strict=True):
-            finished = self.tokenizer.eos_token_id in tokens
-            length = tokens.index(self.tokenizer.eos_token_id) + 1 if finished else len(tokens)
+            stops = [i for i, token in enumerate(tokens) if token in self.stop_ids]
+            finished = bool(stops)
+            length = stops[0] + 1 if finished else len(tokens)
             completions.append(Completion(prompt, tokens[:length], token_logprobs[:length], finished))
         return completions
 
     def apply_payload(self, payload: bytes) -> SyncResult:
+        """Any failure (refusal, bad bytes, an error mid-merge) is reported, never raised: the controller resyncs."""
         try:
             self.merger.apply(UpdatePayload.from_bytes(payload))
-        except PayloadRefused as refusal:
-            return SyncResult(applied=False, version=self.version, reason=str(refusal))
+        except Exception as error:
+            return SyncResult(applied=False, version=self.version, reason=f"{type(error).__name__}: {error}")
         return SyncResult(applied=True, version=self.version)
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:

@@ -7,6 +7,7 @@ LoGRA returns the payload of its update; dense returns None, so the controller r
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from logra_rl.config import OptimizerConfig
 from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
+from logra_rl.logra.kl import ProbeError
 
 
 def dense_lr_factor(step: int, config: OptimizerConfig) -> float:
@@ -42,7 +44,7 @@ class DenseUpdate:
         self.model = model
         self.update_count = 0
 
-    def update(self, step: int, num_tokens: float, **_) -> tuple[dict[str, float], bytes | None]:
+    def update(self, step: int, num_tokens: float, **_) -> tuple[dict[str, float], None]:
         lr = self.config.lr * dense_lr_factor(step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:
@@ -66,15 +68,15 @@ class DenseUpdate:
 
 
 class LoGRAUpdate:
-    """prepare → KL probe → budget → α → realised KL → commit, on the probe rows of this rank's batch."""
+    """prepare → KL probe → budget → α → realised KL → commit, on the probe rows of this rank's batch.
+
+    A non-finite sketch, a probe that fails (no generated tokens, non-finite KL) or a non-finite
+    realised KL skips the update: the prepared update is discarded and nothing changes.
+    """
 
     def __init__(self, model: nn.Module, config: LoGRAConfig, temperature: float) -> None:
         self.optimizer = LoGRAOptimizer(model, config)
         self.temperature = temperature
-
-    @property
-    def update_count(self) -> int:
-        return self.optimizer.update_count
 
     def update(
         self,
@@ -85,21 +87,24 @@ class LoGRAUpdate:
         probe_mask: torch.Tensor,
         mismatch_sum: float,
         mismatch_count: int,
-    ) -> tuple[dict[str, float], bytes | None]:
+        serialise: bool,
+    ) -> tuple[dict[str, float], bytearray | None]:
         opt = self.optimizer
         try:
             sketch_norm = opt.prepare(num_tokens=num_tokens)
         except FloatingPointError:
             opt.zero_sketches()
-            return {"logra/skipped": 1.0}, None
+            return {"actor/skipped": 1.0}, None
+        start = time.perf_counter()
         try:
             q = opt.probe_kl(forward, probe_ids, probe_mask, self.temperature)
-        except FloatingPointError:
+            budget = opt.kl_controller.step_budget(opt.update_count, mismatch_sum, mismatch_count)
+            alpha = opt.kl_controller.alpha(q, budget)
+            realized = opt.realized_kl(forward, probe_ids, probe_mask, self.temperature, alpha)
+        except (FloatingPointError, ProbeError):
             opt.discard()
-            return {"logra/skipped": 1.0}, None
-        budget = opt.kl_controller.step_budget(opt.update_count, mismatch_sum, mismatch_count)
-        alpha = opt.kl_controller.alpha(q, budget)
-        realized = opt.realized_kl(forward, probe_ids, probe_mask, self.temperature, alpha)
+            return {"actor/skipped": 1.0}, None
+        probe_seconds = time.perf_counter() - start
         payload = opt.commit(alpha)
         metrics = {
             "logra/alpha": alpha,
@@ -110,9 +115,10 @@ class LoGRAUpdate:
             "logra/update_ratio": opt.config.update_ratio * alpha,
             "logra/sketch_norm": sketch_norm,
             "logra/mismatch_ema": opt.kl_controller.mismatch,
-            "logra/skipped": 0.0,
+            "actor/skipped": 0.0,
+            "timing_s/probe": probe_seconds,
         }
-        return metrics, payload.to_bytes()
+        return metrics, payload.to_bytes() if serialise else None
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 from pathlib import Path
 
 import psutil
+import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import transformers
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,14 +46,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name, 0) if name == "cuda" else torch.device(name)
 
 
+LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token t | < t) for t ≥ 1, aligned with input_ids[:, 1:] (float32)."""
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    """log π(token t | < t) for t ≥ 1, aligned with input_ids[:, 1:] (float32), in position chunks."""
+    logits, targets = logits[:, :-1], input_ids[:, 1:, None]
+    chunks = []
+    for start in range(0, targets.shape[1], LOGPROB_CHUNK):
+        chunk = logits[:, start : start + LOGPROB_CHUNK].float() / temperature
+        picked = chunk.gather(-1, targets[:, start : start + LOGPROB_CHUNK]).squeeze(-1)
+        chunks.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(chunks, dim=1)
 
 
 class TrainWorker:
     def __init__(self, config: RunConfig, model_path: str, rank: int, world_size: int) -> None:
+        transformers.logging.disable_progress_bar()
         self.config = config
         self.model_path = model_path
         self.rank = rank
@@ -62,12 +74,10 @@ class TrainWorker:
     @staticmethod
     def address() -> tuple[str, int]:
         """An address rank 0 can serve the process group on (called on rank 0 before `setup`)."""
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+        return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, float]:
         """Join the process group, load the fp32 model, shard it with FSDP2 and build the optimizer."""
@@ -84,7 +94,7 @@ class TrainWorker:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         dense = self.config.optimizer.name == "dense"
         model.requires_grad_(dense)
-        self.model = self._shard(model.to(self.device))
+        self.model = self._shard(model)  # fully_shard moves each layer to the device, then keeps only its shard
         if dense:
             self.optimizer = DenseUpdate(self.model, self.config.optimizer, self.world_size)
         else:
@@ -106,26 +116,44 @@ class TrainWorker:
     def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
+    def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
+        """This rank's microbatches, padded with None to the group's largest count.
+
+        Every FSDP2 forward and backward is a collective, so all ranks must run the same number:
+        a None entry is run on a loss-free row (zero gradient) just to take part.
+        """
+        micro = batch.microbatches(self.config.trainer.micro_batch_tokens)
+        count = torch.tensor(len(micro), device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return micro + [None] * (int(count) - len(micro))
+
+    def _filler(self, batch: TrainBatch) -> TrainBatch:
+        row = batch.rows(slice(0, 1)).trimmed()
+        row.loss_mask = torch.zeros_like(row.loss_mask)
+        return row
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """π_train log-probs of every token (no grad), aligned like `rollout_logprobs` (column 0 is 0)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
-        for micro in batch.microbatches(self.config.trainer.micro_batch_tokens):
-            micro_ids = micro.input_ids.to(self.device)
-            logits = self._logits(micro_ids, micro.attention_mask.to(self.device))
-            values = token_logprobs(logits, micro_ids, self.temperature)
-            out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
-            row += len(micro)
+        for micro in self._microbatches(batch):
+            part = micro if micro is not None else self._filler(batch)
+            ids = part.input_ids.to(self.device)
+            values = token_logprobs(self._logits(ids, part.attention_mask.to(self.device)), ids, self.temperature)
+            if micro is not None:
+                out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
+                row += len(micro)
         return out
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Loss and backward over token-budgeted microbatches; returns sums the controller reduces."""
         algorithm = self.config.algorithm
         sums = dict.fromkeys(
-            ["tokens", "loss", "is_ratio", "is_truncated", "clipped", "gap", "gap_tokens", "gap_all", "entropy"], 0.0
+            ["tokens", "loss", "is_ratio", "is_truncated", "clipped", "gap", "gap_tokens", "gap_all"], 0.0
         )
-        for micro in batch.microbatches(self.config.trainer.micro_batch_tokens):
+        for micro in self._microbatches(batch):
+            micro = micro if micro is not None else self._filler(batch)  # zero loss mask: zero gradient
             ids = micro.input_ids.to(self.device)
             logits = self._logits(ids, micro.attention_mask.to(self.device))
             logprobs = token_logprobs(logits, ids, self.temperature)
@@ -169,10 +197,11 @@ class TrainWorker:
                 probe_mask=probe.loss_mask.to(self.device),
                 mismatch_sum=mismatch_sum,
                 mismatch_count=mismatch_count,
+                serialise=self.rank == 0,
             )
         finally:
             self.model.train()
-        return metrics, payload if self.rank == 0 else None
+        return metrics, payload
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The full fp32 state dict on rank 0 (CPU), None elsewhere: the source of a full resync."""
@@ -180,17 +209,18 @@ class TrainWorker:
         state = get_model_state_dict(self.model, options=options)
         return state if self.rank == 0 else None
 
-    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Master values at (rows, cols) of the targeted weights for the rows this rank holds (NaN elsewhere)."""
+    def weights_at(
+        self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Master values at (rows, cols) of the targeted weights, and which of them this rank holds."""
         modules = dict(self.model.named_modules())
         values = {}
         for name, (rows, cols) in coordinates.items():
-            weight = modules[name].weight
-            local, offset = local_rows(weight)
-            result = torch.full(rows.shape, float("nan"))
-            here = (rows >= offset) & (rows < offset + local.shape[0])
-            result[here] = local.detach()[rows[here] - offset, cols[here]].float().cpu()
-            values[name] = result
+            local, offset = local_rows(modules[name].weight)
+            held = (rows >= offset) & (rows < offset + local.shape[0])
+            result = torch.zeros(rows.shape)
+            result[held] = local.detach()[rows[held] - offset, cols[held]].float().cpu()
+            values[name] = (result, held)
         return values
 
     def save(self, directory: str) -> None:

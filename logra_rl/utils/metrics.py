@@ -92,9 +92,6 @@ class MetricsLogger:
             )
             self._progress.update(self._task, completed=min(step + 1, self._progress.tasks[0].total), figures=figures)
 
-    def print(self, message: str) -> None:
-        self.console.print(message)
-
     def summary(self, task: str) -> Table:
         """First and last value (and the mean of the last 5 steps) of the headline metrics."""
         table = Table(title="run summary")

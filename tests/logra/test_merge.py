@@ -15,6 +15,7 @@ from logra_rl.logra import (
     apply_payload,
     merge_low_rank_,
 )
+from logra_rl.logra.merge import row_chunks
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 
@@ -152,3 +153,20 @@ def test_failure_during_apply_demands_a_resync(monkeypatch):
 def test_invalid_residual_dtype():
     with pytest.raises(ValueError, match="residual_dtype='int8'"):
         PayloadMerger({}, residual_dtype="int8")
+
+
+def test_a_shard_merges_its_rows_in_the_same_chunks_as_the_full_weight():
+    """Chunks start at global multiples of chunk_rows, so each row is computed in the same GEMM shape everywhere."""
+    assert row_chunks(300, 64) == [slice(0, 64), slice(64, 128), slice(128, 192), slice(192, 256), slice(256, 300)]
+    assert row_chunks(150, 64, row_offset=150) == [slice(0, 42), slice(42, 106), slice(106, 150)]  # global 192, 256
+    assert row_chunks(10, 64, row_offset=128) == [slice(0, 10)]
+    generator = torch.Generator().manual_seed(1)
+    full = torch.randn(300, 48, generator=generator)
+    factor = torch.randn(300, 4, generator=generator).to(torch.bfloat16)
+    projection = torch.randn(4, 48, generator=generator)
+    expected = full.clone()
+    merge_low_rank_(expected, factor, projection, chunk_rows=64)
+    shards = [full[:150].clone(), full[150:].clone()]
+    merge_low_rank_(shards[0], factor[:150], projection, chunk_rows=64, row_offset=0)
+    merge_low_rank_(shards[1], factor[150:], projection, chunk_rows=64, row_offset=150)
+    assert torch.equal(torch.cat(shards), expected)

@@ -35,3 +35,17 @@ def test_ppo_clipping_stops_the_gradient_outside_the_trust_region():
     # A > 0: the ratio e^0.5 > 1.2 is clipped (no gradient); e^-0.5 and e^0.05 still push up
     assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] < 0 and logprobs.grad[0, 2] < 0
     assert stats.clipped == 1
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high"), [(0.2, None), (None, 0.2)])
+def test_a_missing_clip_bound_leaves_that_side_unclipped(clip_low, clip_high):
+    old = torch.zeros(1, 2)
+    logprobs = torch.tensor([[-0.5, 0.5]], requires_grad=True)  # ratios e^-0.5 (< 0.8) and e^0.5 (> 1.2)
+    loss, stats = policy_gradient_loss(
+        logprobs, old, torch.tensor([-1.0]), torch.ones(1, 2), old_logprobs=old, clip_low=clip_low, clip_high=clip_high
+    )
+    loss.backward()
+    # A < 0: only the low side can clip (ratio below 1 − clip_low stops pushing down)
+    low_clipped = clip_low is not None
+    assert (logprobs.grad[0, 0] == 0) == low_clipped and logprobs.grad[0, 1] > 0
+    assert stats.clipped == float(low_clipped)

@@ -53,6 +53,10 @@ def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
         assert torch.equal(weight, modules[name].weight.detach().to(torch.bfloat16)), name
     stale = engine.apply_payload(payloads[1])
     assert not stale.applied and "stale" in stale.reason and stale.version == 3
+    corrupted = bytearray(payloads[2])
+    corrupted[-1] ^= 0xFF
+    broken = engine.apply_payload(bytes(corrupted))  # reported, not raised: the controller resyncs
+    assert not broken.applied and "PayloadFormatError" in broken.reason and engine.version == 3
     coordinates = {name: (torch.tensor([0, 3]), torch.tensor([1, 2])) for name in list(engine.merger.weights)[:2]}
     values = engine.weights_at(coordinates)
     for name, (rows, cols) in coordinates.items():

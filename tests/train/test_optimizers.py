@@ -12,3 +12,24 @@ def test_dense_schedule_matches_the_paper_baseline():
     assert lr[100] == pytest.approx(7.96e-7, rel=1e-3)
     assert lr[199] == pytest.approx(3.38e-7, rel=1e-3)
     assert lr[299] == pytest.approx(1e-7) and lr[300] == pytest.approx(1e-7)
+
+
+def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones():
+    import torch
+
+    from logra_rl.train.optimizers import DenseUpdate
+
+    model = torch.nn.Linear(4, 3)
+    update = DenseUpdate(model, OptimizerConfig(name="dense", lr=1e-2), world_size=2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    metrics, payload = update.update(step=0, num_tokens=10)
+    assert payload is None and metrics["actor/skipped"] == 0.0
+    assert metrics["actor/grad_norm"] == pytest.approx((15 * (2 / 10) ** 2) ** 0.5)  # 15 ones × world / tokens
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    metrics, _ = update.update(step=1, num_tokens=10)
+    assert metrics["actor/skipped"] == 1.0 and update.update_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
