@@ -46,6 +46,7 @@ from logra_rl.logra import (
     PayloadMerger,
     UpdatePayload,
     find_targets,
+    hf_targets,
     make_projection,
     merge_low_rank_,
     projection_fingerprint,
@@ -507,7 +508,7 @@ def bench_apply(args: argparse.Namespace) -> list[dict[str, Any]]:
     """merger.apply (A regenerated from seeds, fp32 residual) vs A generation alone vs the trainer's fp32 merge."""
     shape = args.apply_shape
     targets = [t for t in layer_targets(meta_model(shape)) if t.name.startswith("model.layers.0.")]
-    merger = PayloadMerger(random_layer(targets, torch.bfloat16), residual_dtype="float32")
+    merger = PayloadMerger(hf_targets(random_layer(targets, torch.bfloat16), "float32"))
     master = {name: w.float() for name, w in merger.weights.items()}
     rows = []
     for rank in args.apply_ranks:
@@ -607,7 +608,8 @@ def bench_drift(args: argparse.Namespace) -> dict[str, Any]:
     master0 = master.clone()
     direction = torch.randn(size, size, generator=generator)  # the consistent component of every step
     mergers = {
-        dtype: PayloadMerger({name: torch.empty(size, size, dtype=torch.bfloat16)}, dtype) for dtype in RESIDUALS
+        dtype: PayloadMerger(hf_targets({name: torch.empty(size, size, dtype=torch.bfloat16)}, dtype))
+        for dtype in RESIDUALS
     }
     for merger in mergers.values():
         merger.resync({name: master}, version=0)

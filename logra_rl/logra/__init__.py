@@ -15,7 +15,14 @@ from logra_rl.logra.kl import (
     step_kl,
     step_scale,
 )
-from logra_rl.logra.merge import PayloadMerger, PayloadRefused, apply_payload, merge_low_rank_
+from logra_rl.logra.merge import (
+    MergeTarget,
+    PayloadMerger,
+    PayloadRefused,
+    apply_payload,
+    hf_targets,
+    merge_low_rank_,
+)
 from logra_rl.logra.optimizer import LoGRAOptimizer, find_targets
 from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
 from logra_rl.logra.projection import canonical_name, make_projection, projection_fingerprint, projection_seed
@@ -27,6 +34,7 @@ __all__ = [
     "KLController",
     "LoGRAConfig",
     "LoGRAOptimizer",
+    "MergeTarget",
     "PayloadEntry",
     "PayloadFormatError",
     "PayloadMerger",
@@ -38,6 +46,7 @@ __all__ = [
     "exact_kl",
     "find_targets",
     "finite_difference_kl",
+    "hf_targets",
     "jvp_kl",
     "make_projection",
     "merge_low_rank_",

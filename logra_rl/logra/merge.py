@@ -14,6 +14,7 @@ after the first write leaves the copy marked as needing a full resync.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,8 +68,31 @@ def merge_low_rank_(
                 residual[rows].copy_(acc - target)
 
 
-def check_payload(payload: UpdatePayload, weights: Mapping[str, torch.Tensor], version: int) -> None:
-    """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `weights`."""
+@dataclass
+class MergeTarget:
+    """Where one HF module's update lands: a weight (or a row block of a fused / sharded one), its
+    residual, and which rows of U and columns of A it takes (all of them in HF layout)."""
+
+    weight: torch.Tensor
+    residual: torch.Tensor | None
+    hf_shape: tuple[int, int]
+    rows: slice = field(default_factory=lambda: slice(None))
+    cols: slice = field(default_factory=lambda: slice(None))
+
+
+def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "float32") -> dict[str, MergeTarget]:
+    """Targets for HF-layout weights (name → (d_out, k_in) tensor), each with a fresh zero residual."""
+    if residual_dtype not in RESIDUAL_DTYPES:
+        raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
+    dtype = RESIDUAL_DTYPES[residual_dtype]
+    return {
+        name: MergeTarget(weight, None if dtype is None else torch.zeros_like(weight, dtype=dtype), tuple(weight.shape))
+        for name, weight in weights.items()
+    }
+
+
+def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], version: int) -> None:
+    """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `targets`."""
     if payload.new_version != payload.base_version + 1:
         raise PayloadRefused(f"malformed payload: version {payload.base_version} -> {payload.new_version}")
     if payload.base_version != version:
@@ -80,20 +104,31 @@ def check_payload(payload: UpdatePayload, weights: Mapping[str, torch.Tensor], v
     if not payload.entries:
         raise PayloadRefused("payload has no entries")
     for entry in payload.entries:
-        weight = weights.get(entry.name)
-        if weight is None:
+        target = targets.get(entry.name)
+        if target is None:
             raise PayloadRefused(f"payload updates {entry.name!r}, which these weights do not hold")
-        if tuple(weight.shape) != (entry.d_out, entry.k_in):
+        if target.hf_shape != (entry.d_out, entry.k_in):
             raise PayloadRefused(
-                f"{entry.name!r}: payload shape {(entry.d_out, entry.k_in)} != weight shape {tuple(weight.shape)}"
+                f"{entry.name!r}: payload shape {(entry.d_out, entry.k_in)} != weight shape {target.hf_shape}"
             )
-        if tuple(entry.factor.shape) != (entry.d_out, payload.rank):
-            raise PayloadRefused(f"{entry.name!r}: factor shape {tuple(entry.factor.shape)} is not (d_out, rank)")
     first = payload.projection(payload.entries[0])
     if projection_fingerprint(first) != payload.fingerprint:
         raise PayloadRefused(
             "projection fingerprint mismatch: this process draws a different A than the trainer "
             "(torch version or generator differs); a full resync is needed"
+        )
+
+
+def _merge_entries(payload: UpdatePayload, targets: Mapping[str, MergeTarget], chunk_rows: int) -> None:
+    for entry in payload.entries:
+        target = targets[entry.name]
+        merge_low_rank_(
+            target.weight,
+            entry.factor[target.rows],
+            payload.projection(entry)[:, target.cols],
+            target.residual,
+            chunk_rows,
+            row_offset=target.rows.start or 0,
         )
 
 
@@ -108,66 +143,52 @@ def apply_payload(
 
     Everything is checked before the first write (PayloadRefused leaves the weights untouched).
     """
-    check_payload(payload, weights, version)
-    _merge_entries(payload, weights, residuals, chunk_rows)
+    residuals = residuals or {}
+    targets = {name: MergeTarget(w, residuals.get(name), tuple(w.shape)) for name, w in weights.items()}
+    check_payload(payload, targets, version)
+    _merge_entries(payload, targets, chunk_rows)
     return payload.new_version
 
 
-def _merge_entries(
-    payload: UpdatePayload,
-    weights: Mapping[str, torch.Tensor],
-    residuals: Mapping[str, torch.Tensor] | None,
-    chunk_rows: int,
-) -> None:
-    for entry in payload.entries:
-        residual = None if residuals is None else residuals.get(entry.name)
-        merge_low_rank_(weights[entry.name], entry.factor, payload.projection(entry), residual, chunk_rows)
-
-
 class PayloadMerger:
-    """A rollout-side copy of the targeted weights: their residuals, version and resync state."""
+    """A rollout-side copy of the targeted weights: where each update lands, the version, the resync state.
 
-    def __init__(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        residual_dtype: str = "float32",
-        version: int = 0,
-        chunk_rows: int = 256,
-    ) -> None:
-        if residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
-        self.weights = dict(weights)
-        self.residual_dtype = residual_dtype
-        dtype = RESIDUAL_DTYPES[residual_dtype]
-        self.residuals = (
-            None if dtype is None else {name: torch.zeros_like(w, dtype=dtype) for name, w in self.weights.items()}
-        )
+    `PayloadMerger(hf_targets(weights))` holds HF-layout weights; an engine with fused or sharded
+    weights passes its own `MergeTarget`s (see `logra_rl.rollout.vllm_layout`).
+    """
+
+    def __init__(self, targets: Mapping[str, MergeTarget], version: int = 0, chunk_rows: int = 256) -> None:
+        self.targets = dict(targets)
         self.version = version
         self.chunk_rows = chunk_rows
         self.needs_resync = False
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: target.weight for name, target in self.targets.items()}
 
     def apply(self, payload: UpdatePayload) -> None:
         """Apply one payload; refused payloads change nothing, a failed write demands a resync."""
         if self.needs_resync:
             raise PayloadRefused("these weights need a full resync before the next payload")
-        check_payload(payload, self.weights, self.version)
+        check_payload(payload, self.targets, self.version)
         try:
-            _merge_entries(payload, self.weights, self.residuals, self.chunk_rows)
+            _merge_entries(payload, self.targets, self.chunk_rows)
         except Exception:
             self.needs_resync = True
             raise
         self.version = payload.new_version
 
     def resync(self, master: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's master weights: W ← round(master), R ← master − W (exact for fp32 R)."""
-        missing = sorted(set(self.weights) - set(master))
+        """Load the trainer's HF-named master weights: W ← round(master), R ← master − W (exact for fp32 R)."""
+        missing = sorted(set(self.targets) - set(master))
         if missing:
             raise ValueError(f"resync is missing weights {missing[:4]}")
         with torch.no_grad():
-            for name, weight in self.weights.items():
-                source = master[name].to(device=weight.device)
-                weight.copy_(source)
-                if self.residuals is not None:
-                    self.residuals[name].copy_(source.float() - weight.float())
+            for name, target in self.targets.items():
+                source = master[name][target.rows, target.cols].to(device=target.weight.device)
+                target.weight.copy_(source)
+                if target.residual is not None:
+                    target.residual.copy_(source.float() - target.weight.float())
         self.version = version
         self.needs_resync = False

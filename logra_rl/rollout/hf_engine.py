@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets
+from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
 
 
@@ -41,7 +41,7 @@ class HFEngine:
         ).to(self.device)
         self.model.eval().requires_grad_(False)
         weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
-        self.merger = PayloadMerger(weights, residual_dtype=residual, chunk_rows=merge_chunk_rows)
+        self.merger = PayloadMerger(hf_targets(weights, residual), chunk_rows=merge_chunk_rows)
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
@@ -97,7 +97,7 @@ class HFEngine:
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:
         """Full resync from the trainer's fp32 master state (HF names): exact residuals, version reset."""
         self.model.load_state_dict(state, strict=True)
-        self.merger.resync({name: state[f"{name}.weight"] for name in self.merger.weights}, version)
+        self.merger.resync({name: state[f"{name}.weight"] for name in self.merger.targets}, version)
         return SyncResult(applied=True, version=self.version)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

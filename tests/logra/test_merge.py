@@ -13,6 +13,7 @@ from logra_rl.logra import (
     PayloadRefused,
     UpdatePayload,
     apply_payload,
+    hf_targets,
     merge_low_rank_,
 )
 from logra_rl.logra.merge import row_chunks
@@ -40,14 +41,14 @@ class Trainer:
 
 def rollout_copy(master, residual_dtype):
     weights = {name: torch.empty_like(w, dtype=torch.bfloat16) for name, w in master.items()}
-    merger = PayloadMerger(weights, residual_dtype=residual_dtype)
+    merger = PayloadMerger(hf_targets(weights, residual_dtype))
     merger.resync(master, version=0)
     return merger
 
 
 def snapshot(merger):
-    residuals = merger.residuals or {}
-    return [w.clone() for w in merger.weights.values()] + [r.clone() for r in residuals.values()]
+    tensors = [t.weight for t in merger.targets.values()] + [t.residual for t in merger.targets.values()]
+    return [t.clone() for t in tensors if t is not None]
 
 
 def test_fifty_payloads_keep_bf16_copy_equal_to_rounded_master():
@@ -152,7 +153,7 @@ def test_failure_during_apply_demands_a_resync(monkeypatch):
 
 def test_invalid_residual_dtype():
     with pytest.raises(ValueError, match="residual_dtype='int8'"):
-        PayloadMerger({}, residual_dtype="int8")
+        hf_targets({}, residual_dtype="int8")
 
 
 def test_a_shard_merges_its_rows_in_the_same_chunks_as_the_full_weight():
