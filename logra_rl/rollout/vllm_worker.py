@@ -1,0 +1,161 @@
+"""The vLLM worker extension: LoGRA merges inside every vLLM worker (`worker_extension_cls`).
+
+vLLM appends this class to its Worker's bases in each worker process, so `self` is the worker;
+methods carry a `logra_` prefix because vLLM refuses names that clash with its own. The engine
+calls them through `LLM.collective_rpc` (one call per update, on every TP rank).
+
+Two modes:
+- in place (GPU): each HF target is a row block of a fused / TP-sharded vLLM parameter
+  (`vllm_layout.layer_placements`), checked at start-up against vLLM's own weight loaders;
+  payloads are merged straight into the bf16 parameters, with an error-feedback residual.
+- shadow (CPU): vLLM's CPU backend repacks linear weights and drops `layer.weight`, so in-place
+  edits cannot reach them. The worker keeps HF-layout copies of the targets, merges into those,
+  and reloads them into vLLM (`reload_weights`) after every payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from logra_rl.logra import (
+    MergeTarget,
+    PayloadMerger,
+    UpdatePayload,
+    find_targets,
+    hf_targets,
+)
+from logra_rl.logra.merge import RESIDUAL_DTYPES
+from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
+
+SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
+
+
+def geometry_of(layer: torch.nn.Module) -> LayerGeometry:
+    """Sizes and TP split of one vLLM decoder layer, read from its QKV and gate/up layers."""
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    return LayerGeometry(
+        hidden=qkv.input_size,
+        intermediate=gate_up.output_sizes[0],
+        num_heads=qkv.total_num_heads,
+        num_kv_heads=qkv.total_num_kv_heads,
+        head_dim=qkv.head_size,
+        tp_size=qkv.tp_size,
+        tp_rank=qkv.tp_rank,
+    )
+
+
+def in_place_targets(model: torch.nn.Module, residual_dtype: str, target_modules: tuple[str, ...]) -> dict:
+    """MergeTargets over vLLM's own parameters, each placement confirmed by a dry run of its loader."""
+    dtype = RESIDUAL_DTYPES[residual_dtype]
+    params = dict(model.named_parameters())
+    residuals: dict[str, torch.Tensor] = {}
+    targets = {}
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}"
+        for name, placement in layer_placements(prefix, geometry_of(layer)).items():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in target_modules:
+                continue
+            param = params[placement.param]
+            if param.numel() == 0 or param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(
+                    f"{placement.param} is packed or quantized ({param.dtype}, {param.numel()} elements): "
+                    "in-place LoGRA merges cannot reach it; use full resyncs for this engine"
+                )
+            shard = SHARD_IDS.get(leaf)
+            found = loader_placement(
+                param,
+                lambda t, p=param, s=shard: p.weight_loader(p, t, *(() if s is None else (s,))),
+                placement.hf_shape,
+            )
+            check_placement(placement, found, param.shape[0])
+            if dtype is not None and placement.param not in residuals:
+                residuals[placement.param] = torch.zeros_like(param, dtype=dtype)
+            residual = residuals.get(placement.param)
+            targets[name] = MergeTarget(
+                param.data[placement.dst_rows],
+                None if residual is None else residual[placement.dst_rows],
+                placement.hf_shape,
+                placement.src_rows,
+                placement.cols,
+            )
+    return targets
+
+
+class LograWorkerExtension:
+    """Methods vLLM adds to its Worker; state lives in `logra_*` attributes."""
+
+    def logra_init(self, target_modules: list[str], residual: str, chunk_rows: int) -> dict[str, Any]:
+        model = self.model_runner.get_model()
+        twin = _hf_twin(self.model_config.hf_config)
+        shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
+        self.logra_shadow = _weights_are_packed(model)
+        if self.logra_shadow:
+            device = next(model.parameters()).device
+            dtype = self.model_config.dtype
+            weights = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+            targets = hf_targets(weights, residual)
+        else:
+            targets = in_place_targets(model, residual, tuple(target_modules))
+        self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
+        return {"shadow": self.logra_shadow, "targets": len(targets)}
+
+    def logra_apply(self, payload: bytes) -> dict[str, Any]:
+        try:
+            with torch.inference_mode():
+                self.logra_merger.apply(UpdatePayload.from_bytes(payload))
+            if self.logra_shadow:
+                self._logra_push_shadow()
+        except Exception as error:
+            return {
+                "applied": False,
+                "version": self.logra_merger.version,
+                "reason": f"{type(error).__name__}: {error}",
+            }
+        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
+
+    def logra_load(self, state: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """Full resync from the trainer's HF-named fp32 state: every weight, then exact residuals."""
+        self.reload_weights(weights_iterator=iter(list(state.items())))
+        master = {name: state[f"{name}.weight"] for name in self.logra_merger.targets}
+        with torch.inference_mode():
+            self.logra_merger.resync(master, version)
+        if self.logra_shadow:
+            self._logra_push_shadow()
+        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
+
+    def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them)."""
+        values = {}
+        for name, (rows, cols) in coordinates.items():
+            target = self.logra_merger.targets[name]
+            row_start, row_stop, _ = target.rows.indices(target.hf_shape[0])
+            col_start, col_stop, _ = target.cols.indices(target.hf_shape[1])
+            held = (rows >= row_start) & (rows < row_stop) & (cols >= col_start) & (cols < col_stop)
+            result = torch.full(rows.shape, float("nan"))
+            result[held] = target.weight[rows[held] - row_start, cols[held] - col_start].float().cpu()
+            values[name] = result
+        return values
+
+    def logra_version(self) -> int:
+        return self.logra_merger.version
+
+    def _logra_push_shadow(self) -> None:
+        """Shadow mode: reload the merged HF-layout targets into vLLM's (repacked) layers."""
+        weights = [(f"{name}.weight", weight) for name, weight in self.logra_merger.weights.items()]
+        self.reload_weights(weights_iterator=iter(weights))
+
+
+def _weights_are_packed(model: torch.nn.Module) -> bool:
+    layer = model.model.layers[0]
+    return layer.self_attn.qkv_proj.weight.numel() == 0
+
+
+def _hf_twin(hf_config: Any) -> torch.nn.Module:
+    """The HF model for vLLM's config on the meta device: the names and shapes of the HF targets."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)

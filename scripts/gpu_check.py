@@ -1,0 +1,274 @@
+"""What only a GPU can show, in one short run: prints a table and writes JSON.
+
+    python scripts/gpu_check.py                        # on one CUDA GPU, a few minutes
+    python scripts/gpu_check.py --device cpu --small   # the same code paths on a CPU, small shapes
+
+1. FSDP2 (nccl on CUDA) with bf16 compute and fp32 masters: one LoGRA step; the bf16-autocast
+   sketches vs the fp32 dense gradient sketched with the same A (relative error).
+2. Kernels: forward + backward of one decoder layer with LoGRA sketches vs with dense weight
+   gradients; the JVP KL probe.
+3. Peak memory of one full training step, dense AdamW vs LoGRA (r = 64, 256), on a
+   Qwen2.5-1.5B-shaped model (fp32 masters, bf16 autocast, activation checkpointing).
+4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from logra_rl.logra import (
+    LoGRAConfig,
+    LoGRAOptimizer,
+    PayloadEntry,
+    PayloadMerger,
+    UpdatePayload,
+    hf_targets,
+    projection_fingerprint,
+)
+
+GIB = 2**30
+SHAPES = {
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+}
+
+
+def model_of(shape: dict, layers: int | None = None) -> Qwen2ForCausalLM:
+    config = Qwen2Config(**{**shape, **({"num_hidden_layers": layers} if layers else {})}, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).float()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def loss_of(model, ids, dtype):
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum"
+    )
+
+
+def sketch_vs_dense(device: torch.device, shape: dict, tokens: int) -> float:
+    """Max relative error of bf16-autocast sketches vs the fp32 dense gradient times Aᵀ (2 layers)."""
+    torch.manual_seed(1)
+    model = model_of(shape, layers=2).to(device)
+    twin = model_of(shape, layers=2).to(device)
+    twin.load_state_dict(model.state_dict())
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+    loss_of(model, ids, torch.bfloat16).backward()
+    loss_of(twin, ids, torch.float32).backward()
+    modules = dict(twin.named_modules())
+    worst = 0.0
+    for target in opt.targets:
+        expected = modules[target.name].weight.grad @ target.projection.t()
+        worst = max(worst, float((target.sketch - expected).norm() / expected.norm()))
+    return worst
+
+
+def check_kernels(device: torch.device, shape: dict, tokens: int, dtype: torch.dtype) -> dict:
+    """One decoder layer: forward + backward with sketches vs with weight gradients; the JVP probe."""
+    torch.manual_seed(2)
+    dense = model_of(shape, layers=1).to(device)
+    logra = model_of(shape, layers=1).to(device)
+    opt = LoGRAOptimizer(logra, LoGRAConfig(rank=64))
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+
+    def step(model):
+        return lambda: loss_of(model, ids, dtype).backward()
+
+    result = {"layer_fwd_bwd_dense_s": timed(step(dense), device), "layer_fwd_bwd_logra_s": timed(step(logra), device)}
+    opt.prepare(num_tokens=tokens)
+    mask = torch.ones_like(ids)
+    result["jvp_probe_s"] = timed(lambda: opt.probe_kl(lambda x: logra(input_ids=x).logits, ids, mask, 1.0), device)
+    opt.discard()
+    return result
+
+
+def peak_memory(device: torch.device, shape: dict, tokens: int, variant: str) -> float:
+    """Peak GiB of one forward + backward + update (cuda: allocator peak; cpu: not measured)."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model = model_of(shape).to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+    if variant == "dense":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=True)
+        loss_of(model, ids, torch.bfloat16).backward()
+        optimizer.step()
+    else:
+        opt = LoGRAOptimizer(model, LoGRAConfig(rank=int(variant.split("=")[1])))
+        loss_of(model, ids, torch.bfloat16).backward()
+        opt.prepare(num_tokens=tokens)
+        opt.commit(1.0)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) / GIB
+    del model
+    return peak
+
+
+def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
+    """One payload into the 7 targets of one decoder layer: bf16 weights + fp32 residual, in place."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = h // heads
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv * d, h),
+        "self_attn.v_proj": (kv * d, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+    names = {f"model.layers.0.{leaf}": s for leaf, s in shapes.items()}
+    weights = {name: (torch.randn(s, device=device) * 0.02).to(torch.bfloat16) for name, s in names.items()}
+    merger = PayloadMerger(hf_targets(weights, "float32"), chunk_rows=4096)
+    entries = tuple(
+        PayloadEntry(name, s[0], s[1], (torch.randn(s[0], rank, device=device) * 1e-4).to(torch.bfloat16))
+        for name, s in names.items()
+    )
+
+    def payload(version):
+        draft = UpdatePayload(version, version + 1, 1, version, rank, "rademacher", "bfloat16", "", entries)
+        return UpdatePayload(
+            version,
+            version + 1,
+            1,
+            version,
+            rank,
+            "rademacher",
+            "bfloat16",
+            projection_fingerprint(draft.projection(entries[0])),
+            entries,
+        )
+
+    payloads = [payload(v) for v in range(4)]
+    merger.apply(payloads[0])  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for p in payloads[1:]:
+        merger.apply(p)
+    sync(device)
+    seconds = (time.perf_counter() - start) / 3
+    generation = timed(lambda: [payloads[0].projection(e) for e in entries], device, repeats=1)
+    return {
+        "rank": rank,
+        "apply_s": seconds,
+        "projection_generation_s": generation,
+        "params": sum(s[0] * s[1] for s in names.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run)")
+    parser.add_argument("--out", default="bench_results/gpu_check.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    small = SHAPES["small"]
+    memory_shape, apply_shape = (small, small) if args.small else (SHAPES["qwen2.5-1.5b"], SHAPES["qwen2.5-7b"])
+    tokens = 256 if args.small else 2048
+    results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    rows = []
+
+    def record(name: str, value, unit: str = "") -> None:
+        results[name] = value
+        rows.append((name, f"{value:.4g}" if isinstance(value, float) else str(value), unit))
+        print(f"{name:<40} {rows[-1][1]:>12} {unit}", flush=True)
+
+    record("fsdp_backend", dist.get_backend())
+    record("sketch_rel_error_bf16", sketch_vs_dense(device, small, 512))
+    record("fsdp_logra_step_s", fsdp_step(device, small, 512), "s")
+    for key, value in check_kernels(device, memory_shape, tokens, torch.bfloat16).items():
+        record(key, value, "s")
+    variants = ("dense", "logra r=64") if args.small else ("dense", "logra r=64", "logra r=256")
+    for variant in variants:
+        record(f"peak_gib {variant}", peak_memory(device, memory_shape, tokens, variant.replace("logra ", "")), "GiB")
+    for rank in (16, 64) if args.small else (16, 64, 256):
+        for key, value in apply_time(device, apply_shape, rank).items():
+            if key != "rank":
+                record(f"apply r={rank} {key}", value, "s" if key.endswith("_s") else "")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+def fsdp_step(device: torch.device, shape: dict, tokens: int) -> float:
+    """One LoGRA step (backward, prepare, commit) of a 2-layer model under FSDP2 with bf16 compute."""
+    torch.manual_seed(0)
+    model = model_of(shape, layers=2).to(device)
+    mesh = init_device_mesh(device.type, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+    sync(device)
+    start = time.perf_counter()
+    loss_of(model, ids, torch.float32).backward()
+    opt.prepare(num_tokens=tokens)
+    opt.commit(1.0)
+    sync(device)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
