@@ -371,6 +371,8 @@ class Controller:
             master = torch.stack([values for values, _ in (m[name] for m in masters)]).sum(0)
             expected = master.to(dtype).float()
             for engine in engines:
+                if name not in engine:
+                    continue  # an engine in full-resync mode cannot read its weights as HF values
                 difference = (engine[name] - expected).abs()
                 worst = max(worst, float("inf") if difference.isnan().any() else float(difference.max()))
         return worst

@@ -47,7 +47,9 @@ class VLLMEngine:
             worker_extension_cls=EXTENSION,
             logprobs_mode="processed_logprobs",
         )
-        self.llm.collective_rpc("logra_init", args=(list(target_modules), residual, merge_chunk_rows))
+        modes = self.llm.collective_rpc("logra_init", args=(list(target_modules), residual, merge_chunk_rows))
+        self.mode = modes[0]["mode"]  # in_place | shadow | resync (every update a full resync)
+        print(f"[logra vLLM engine] LoGRA merges: {self.mode} {modes[0]['refusal']}".rstrip(), flush=True)
 
     def policy_version(self) -> int:
         versions = set(self.llm.collective_rpc("logra_version"))
@@ -96,4 +98,5 @@ class VLLMEngine:
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Each coordinate comes from the TP rank that holds it (replicated rows agree)."""
         per_rank = self.llm.collective_rpc("logra_weights_at", args=(coordinates,))
-        return {name: torch.stack([r[name] for r in per_rank]).nanmean(0) for name in coordinates}
+        readable = [name for name in coordinates if all(name in r for r in per_rank)]
+        return {name: torch.stack([r[name] for r in per_rank]).nanmean(0) for name in readable}

@@ -4,17 +4,21 @@ vLLM appends this class to its Worker's bases in each worker process, so `self` 
 methods carry a `logra_` prefix because vLLM refuses names that clash with its own. The engine
 calls them through `LLM.collective_rpc` (one call per update, on every TP rank).
 
-Two modes:
+Three modes, chosen at start-up:
 - in place (GPU): each HF target is a row block of a fused / TP-sharded vLLM parameter
   (`vllm_layout.layer_placements`), checked at start-up against vLLM's own weight loaders;
   payloads are merged straight into the bf16 parameters, with an error-feedback residual.
 - shadow (CPU): vLLM's CPU backend repacks linear weights and drops `layer.weight`, so in-place
   edits cannot reach them. The worker keeps HF-layout copies of the targets, merges into those,
   and reloads them into vLLM (`reload_weights`) after every payload.
+- resync: targets that are quantized, or whose loaders do not copy the HF tensor as a row block,
+  cannot take an in-place merge; every payload is then refused (with the reason, logged once
+  at start-up) and the controller falls back to a full resync per update.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ from logra_rl.logra import (
 from logra_rl.logra.merge import RESIDUAL_DTYPES
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 
+logger = logging.getLogger(__name__)
 SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
 
 
@@ -91,22 +96,30 @@ class LograWorkerExtension:
         model = self.model_runner.get_model()
         twin = _hf_twin(self.model_config.hf_config)
         shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
-        self.logra_shadow = _weights_are_packed(model)
-        if self.logra_shadow:
+        self.logra_refusal = ""
+        if _weights_are_packed(model):
+            self.logra_mode = "shadow"
             device = next(model.parameters()).device
-            dtype = self.model_config.dtype
-            weights = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+            weights = {
+                name: torch.zeros(shape, dtype=self.model_config.dtype, device=device) for name, shape in shapes.items()
+            }
             targets = hf_targets(weights, residual)
         else:
-            targets = in_place_targets(model, residual, tuple(target_modules))
+            try:
+                self.logra_mode, targets = "in_place", in_place_targets(model, residual, tuple(target_modules))
+            except ValueError as refusal:
+                self.logra_mode, targets, self.logra_refusal = "resync", {}, str(refusal)
+                logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
-        return {"shadow": self.logra_shadow, "targets": len(targets)}
+        return {"mode": self.logra_mode, "targets": len(targets), "refusal": self.logra_refusal}
 
     def logra_apply(self, payload: bytes) -> dict[str, Any]:
+        if self.logra_mode == "resync":
+            return {"applied": False, "version": self.logra_merger.version, "reason": self.logra_refusal}
         try:
             with torch.inference_mode():
                 self.logra_merger.apply(UpdatePayload.from_bytes(payload))
-            if self.logra_shadow:
+            if self.logra_mode == "shadow":
                 self._logra_push_shadow()
         except Exception as error:
             return {
@@ -122,15 +135,18 @@ class LograWorkerExtension:
         master = {name: state[f"{name}.weight"] for name in self.logra_merger.targets}
         with torch.inference_mode():
             self.logra_merger.resync(master, version)
-        if self.logra_shadow:
+        if self.logra_mode == "shadow":
             self._logra_push_shadow()
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them)."""
+        """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them);
+        empty in resync mode, where the weights are not readable as HF values."""
         values = {}
         for name, (rows, cols) in coordinates.items():
-            target = self.logra_merger.targets[name]
+            target = self.logra_merger.targets.get(name)
+            if target is None:
+                continue
             row_start, row_stop, _ = target.rows.indices(target.hf_shape[0])
             col_start, col_stop, _ = target.cols.indices(target.hf_shape[1])
             held = (rows >= row_start) & (rows < row_stop) & (cols >= col_start) & (cols < col_stop)
