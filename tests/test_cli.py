@@ -29,7 +29,7 @@ def stable(record):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["+experiment=nope"], "unknown experiment 'nope'; choose one of ['quickstart']"),
+        (["+experiment=nope"], "unknown experiment 'nope'; choose one of ['dapo_math_1p5b', 'dapo_math_1p5b_dense'"),
         (["trainer.total_stepz=3"], "unknown key 'trainer.total_stepz': trainer has ['checkpoint_every'"),
         (["logra.kl.budjet=1"], "unknown key 'logra.kl.budjet': logra.kl has ['alpha_max', 'budget'"),
         (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra']"),
