@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from logra_rl.data import DataConfig
-from logra_rl.logra import LoGRAConfig
+from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
 from logra_rl.utils.structs import from_mapping
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -93,7 +93,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """`name`: logra (default) or dense (AdamW with the paper's warm-up + cosine schedule, DESIGN.md §5)."""
+    """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule, DESIGN.md §5) or
+    lora (peft adapters on `lora_targets` trained with the same AdamW and schedule)."""
 
     name: str = "logra"
     lr: float = 1e-6
@@ -103,9 +104,19 @@ class OptimizerConfig:
     warmup_steps: int = 9
     schedule_steps: int = 300
     min_lr_ratio: float = 0.1
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = DEFAULT_TARGET_MODULES
 
     def __post_init__(self) -> None:
-        _check(self.name in ("logra", "dense"), "optimizer.name", self.name, "use optimizer=logra or optimizer=dense")
+        _check(
+            self.name in ("logra", "dense", "lora"),
+            "optimizer.name",
+            self.name,
+            "use optimizer=logra, optimizer=dense or optimizer=lora",
+        )
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        _positive_int("optimizer.lora_rank", self.lora_rank)
         object.__setattr__(self, "betas", tuple(self.betas))
         _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "must be > 0")
         _check(

@@ -29,7 +29,8 @@ def dense_lr_factor(step: int, config: OptimizerConfig) -> float:
 
 
 class DenseUpdate:
-    """AdamW over every parameter, on the gradient of the global token-mean loss.
+    """AdamW over the trainable parameters (all of them, or LoRA adapters), on the gradient of the
+    global token-mean loss.
 
     Each rank backpropagates its token-sum loss; FSDP2 averages gradients over the ranks, so the
     gradient is rescaled by world_size / global tokens (gloo has no pre-scaled sum to do it inside).
@@ -38,8 +39,9 @@ class DenseUpdate:
     def __init__(self, model: nn.Module, config: OptimizerConfig, world_size: int) -> None:
         self.config = config
         self.world_size = world_size
+        trainable = [p for p in model.parameters() if p.requires_grad]  # all weights, or the LoRA adapters
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            trainable, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
         self.model = model
         self.update_count = 0

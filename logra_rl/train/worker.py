@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
+from peft import PeftModel
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,12 +28,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
 from logra_rl.logra.optimizer import local_rows
 from logra_rl.rl import policy_gradient_loss
 from logra_rl.train.batch import TrainBatch
+from logra_rl.train.lora import add_lora, lora_layers, merged_state
 from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
 
 GIB = 2**30
@@ -92,13 +95,17 @@ class TrainWorker:
         )
         if model_config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        dense = self.config.optimizer.name == "dense"
-        model.requires_grad_(dense)
+        kind = self.config.optimizer.name
+        model.requires_grad_(kind == "dense")
+        self.lora = None
+        if kind == "lora":
+            model = add_lora(model, self.config.optimizer)
+            self.lora = lora_layers(model)
         self.model = self._shard(model)  # fully_shard moves each layer to the device, then keeps only its shard
-        if dense:
-            self.optimizer = DenseUpdate(self.model, self.config.optimizer, self.world_size)
-        else:
+        if kind == "logra":
             self.optimizer = LoGRAUpdate(self.model, self.config.logra, self.temperature)
+        else:
+            self.optimizer = DenseUpdate(self.model, self.config.optimizer, self.world_size)
         self.model.train()
         return self.memory()
 
@@ -108,7 +115,8 @@ class TrainWorker:
         if compute == "auto":
             compute = "bfloat16" if self.device.type == "cuda" else "float32"
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        for layer in base.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
@@ -207,19 +215,34 @@ class TrainWorker:
         """The full fp32 state dict on rank 0 (CPU), None elsewhere: the source of a full resync."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        return state if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return (
+            merged_state(state, self.config.optimizer.lora_alpha / self.config.optimizer.lora_rank)
+            if self.lora
+            else state
+        )
 
     def weights_at(
         self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Master values at (rows, cols) of the targeted weights, and which of them this rank holds."""
+        """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), and which
+        of them this rank holds."""
         modules = dict(self.model.named_modules())
         values = {}
         for name, (rows, cols) in coordinates.items():
-            local, offset = local_rows(modules[name].weight)
+            lora = self.lora.get(name) if self.lora else None
+            local, offset = local_rows((lora.base_layer if lora else modules[name]).weight)
             held = (rows >= offset) & (rows < offset + local.shape[0])
             result = torch.zeros(rows.shape)
-            result[held] = local.detach()[rows[held] - offset, cols[held]].float().cpu()
+            local_rows_held, cols_held = rows[held] - offset, cols[held]
+            result[held] = local.detach()[local_rows_held, cols_held].float().cpu()
+            if lora is not None:
+                b, _ = local_rows(lora.lora_B["default"].weight)
+                a = lora.lora_A["default"].weight
+                a = a.full_tensor() if isinstance(a, DTensor) else a
+                update = (b.detach()[local_rows_held] * a.detach()[:, cols_held].t()).sum(dim=1)
+                result[held] += (lora.scaling["default"] * update).float().cpu()
             values[name] = (result, held)
         return values
 

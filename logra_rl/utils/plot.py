@@ -1,18 +1,28 @@
-"""The end-of-run PNG: reward, eval accuracy, KL predicted vs realised, and training memory."""
+"""Plots of runs: the end-of-run PNG (`plot_run`) and `logra-plot`, which compares run directories side by side."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import matplotlib
+from omegaconf import OmegaConf
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
 
+DASH = "—"
+RUN_DIR_CONTENTS = "a run directory (outputs/<experiment>/<run_name>/) holds metrics.jsonl and config.yaml"
+
 
 def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+    records = _read_records(Path(metrics_path))
     panels = [
         ("reward", ["reward/mean", "reward/baseline"]),
         ("eval", [f"eval/{task}/pass@1", f"eval/{task}/pass@{k}"]),
@@ -36,3 +46,314 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
     figure.savefig(output, dpi=110)
     plt.close(figure)
     return Path(output)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# logra-plot: several runs side by side
+
+
+@dataclass
+class Run:
+    """One run directory: its resolved config, its metrics records, and the eval keys it logged."""
+
+    path: Path
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    label: str = ""
+    pass1_key: str | None = field(init=False, default=None)
+    passk_key: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.pass1_key, self.passk_key = _eval_keys(self.config, self.records)
+
+    @property
+    def optimizer(self) -> str:
+        return str(_get(self.config, "optimizer.name") or DASH)
+
+    def series(self, key: str | None) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key`, skipping records without it or with null (a value that could not be computed)."""
+        points = [(r["step"], float(r[key])) for r in self.records if key and r.get(key) is not None]
+        return ([s for s, _ in points], [v for _, v in points]) if points else ([], [])
+
+    def values(self, key: str | None) -> list[float]:
+        return self.series(key)[1]
+
+    @property
+    def train_steps(self) -> int:
+        """Steps that trained (any key besides eval/*): the final eval record at step = total_steps is not one."""
+        return sum(any(k != "step" and not k.startswith("eval/") for k in r) for r in self.records)
+
+
+def load_run(path: Path) -> Run:
+    """Read a run directory (or its metrics.jsonl); errors name the path and say what a run directory holds."""
+    path = Path(path)
+    if path.is_file() and path.name == "metrics.jsonl":
+        path = path.parent
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; {RUN_DIR_CONTENTS}")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory; {RUN_DIR_CONTENTS}")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{path} has no metrics.jsonl; {RUN_DIR_CONTENTS}")
+    records = _read_records(metrics)
+    if not records:
+        raise ValueError(f"{metrics} is empty: the run logged no step yet")
+    config_path = path / "config.yaml"
+    config: Any = {}
+    if config_path.is_file():  # optional: only the optimizer name, eval k and step count come from it
+        try:
+            config = OmegaConf.to_container(OmegaConf.load(config_path))
+        except Exception as error:
+            raise ValueError(f"{config_path} is not a readable YAML config ({error})") from None
+    return Run(path=path, config=config if isinstance(config, dict) else {}, records=records)
+
+
+def default_labels(runs: list[Run]) -> list[str]:
+    """Run dir name, with the optimizer added when the name does not say it; parent dirs added until unique."""
+    labels = []
+    for run in runs:
+        name, optimizer = run.path.name, run.optimizer
+        labels.append(name if optimizer == DASH or optimizer in name else f"{name} ({optimizer})")
+    for _ in range(2):  # experiment/run_name, then the next level up
+        counts = {label: labels.count(label) for label in labels}
+        if all(count == 1 for count in counts.values()):
+            return labels
+        labels = [
+            f"{run.path.resolve().parent.name}/{label}" if counts[label] > 1 else label
+            for run, label in zip(runs, labels, strict=True)
+        ]
+    return [f"{label} #{i}" if labels.count(label) > 1 else label for i, label in enumerate(labels, 1)]
+
+
+def summarize(run: Run) -> dict[str, str]:
+    """The table row of one run: the numbers the figure shows, reduced to one value each."""
+    rewards = run.values("reward/mean")
+    total_steps = _get(run.config, "trainer.total_steps")
+    steps = str(run.train_steps) if total_steps in (None, run.train_steps) else f"{run.train_steps}/{total_steps}"
+    last_step = run.records[-1]["step"]
+    updates = run.values("perf/updates_per_hour")
+    timings = run.values("timing_s/step")
+    return {
+        "run": run.label,
+        "optimizer": run.optimizer,
+        "steps": steps,
+        "reward first 5": _num(_mean(rewards[:5]), ".3f"),
+        "reward last 5": _num(_mean(rewards[-5:]), ".3f"),
+        "eval pass@1": _final_eval(run, run.pass1_key, last_step),
+        "eval pass@k": _final_eval(run, run.passk_key, last_step, with_k=True),
+        "KL realised (mean)": _num(_mean(run.values("logra/kl_realized")), ".2e"),
+        "KL predicted (mean)": _num(_mean(run.values("logra/kl_predicted")), ".2e"),
+        "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
+        "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
+        "updates/h (median)": _num(statistics.median(updates) if updates else None, ",.0f"),
+        "wall time": _duration(sum(timings)) if timings else DASH,
+    }
+
+
+def markdown_table(rows: list[dict[str, str]]) -> str:
+    """A GitHub markdown table; every column but the run label and optimizer is right-aligned."""
+    columns = list(rows[0])
+    align = [":---" if column in ("run", "optimizer") else "---:" for column in columns]
+    lines = [columns, align, *([row[c].replace("|", "\\|") for c in columns] for row in rows)]
+    return "\n".join(f"| {' | '.join(line)} |" for line in lines) + "\n"
+
+
+def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
+    """A 2×3 grid: reward (smoothed over `smooth` steps, raw faint), eval pass@1, pass@k, KL, memory, updates/hour."""
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {run.label: colors[i % len(colors)] for i, run in enumerate(runs)}
+    figure, axes = plt.subplots(2, 3, figsize=(17, 9))
+    reward, pass1, passk, kl, memory, speed = axes.flat
+
+    for run in runs:
+        steps, values = run.series("reward/mean")
+        if steps:
+            reward.plot(steps, values, color=color[run.label], alpha=0.2, linewidth=0.8)
+            reward.plot(steps, _moving_average(values, smooth), color=color[run.label], label=run.label)
+    reward.set_title(f"reward/mean (moving average over {smooth} steps)" if smooth > 1 else "reward/mean")
+
+    ks = {_k(run.passk_key) for run in runs if run.passk_key}
+    for axis, attribute in ((pass1, "pass1_key"), (passk, "passk_key")):
+        for run in runs:
+            key = getattr(run, attribute)
+            steps, values = run.series(key)
+            if steps:
+                label = run.label if attribute == "pass1_key" or len(ks) == 1 else f"{run.label} (k={_k(key)})"
+                axis.plot(steps, values, color=color[run.label], marker="o", markersize=4, label=label)
+        axis.set_ylim(-0.02, 1.02)
+    pass1.set_title("eval pass@1")
+    passk.set_title(f"eval pass@{ks.pop()}" if len(ks) == 1 else "eval pass@k")
+
+    for run in runs:
+        for key, style in (("logra/kl_realized", "-"), ("logra/kl_predicted", "--")):
+            steps, values = run.series(key)
+            kept = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # log scale: zero KL has no place
+            if kept:
+                kl.plot(*zip(*kept, strict=True), style, color=color[run.label], linewidth=0.9)
+    kl.set_title("KL per token: realised (solid) vs predicted (dashed)")
+    if kl.lines:
+        kl.set_yscale("log")
+    else:
+        _note(kl, "no logra/kl_* metrics (no LoGRA run)")
+
+    labels = [run.label for run in runs]
+    positions = list(range(len(runs)))
+    averages = [_mean(run.values("memory/train_avg_gib")) for run in runs]
+    peaks = [max(run.values("memory/train_peak_gib"), default=None) for run in runs]
+    width = 0.38
+    for offset, values, hatch, name in ((-width / 2, averages, "//", "average"), (width / 2, peaks, None, "peak")):
+        bars = memory.bar(
+            [p + offset for p in positions],
+            [v or 0.0 for v in values],
+            width,
+            color=[color[label] for label in labels],
+            alpha=0.55 if hatch else 0.95,
+            hatch=hatch,
+            edgecolor="black",
+            linewidth=0.5,
+            label=name,
+        )
+        memory.bar_label(bars, labels=[_num(v, ".2f") for v in values], fontsize=8)
+    memory.set_title("train worker memory (GiB): average (hatched) and peak")
+    memory.legend(fontsize=8, loc="lower right")
+
+    medians = [statistics.median(v) if (v := run.values("perf/updates_per_hour")) else None for run in runs]
+    bars = speed.bar(positions, [m or 0.0 for m in medians], 0.6, color=[color[label] for label in labels])
+    speed.bar_label(bars, labels=[_num(m, ",.0f") for m in medians], fontsize=8)
+    speed.set_title("optimizer updates per hour (median over steps)")
+
+    for axis in (memory, speed):
+        rotate = max(map(len, labels)) > 12
+        axis.set_xticks(positions, labels, rotation=20 if rotate else 0, ha="right" if rotate else "center")
+        axis.margins(y=0.12)
+    for axis in (reward, pass1, passk, kl):
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        if not axis.lines and axis is not kl:
+            _note(axis, "no values logged")
+    for axis in (reward, pass1, passk):
+        if axis.lines:
+            axis.legend(fontsize=8)
+    figure.suptitle(" vs ".join(labels), fontsize=13)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return Path(output)
+
+
+def plot_main(argv: list[str] | None = None) -> int:
+    """`logra-plot RUN_DIR [RUN_DIR ...]`: writes comparison.png and comparison.md, prints the table; 0 on success."""
+    parser = argparse.ArgumentParser(
+        prog="logra-plot",
+        description="Compare runs side by side: a PNG of reward, eval, KL, memory, speed and a markdown table.",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="outputs/<experiment>/<run_name>/")
+    parser.add_argument("--out", type=Path, help="output directory (default: <first run's parent>/compare)")
+    parser.add_argument("--labels", help="comma-separated labels, one per run (default: from run dir and optimizer)")
+    parser.add_argument("--smooth", type=int, default=10, help="moving-average window for reward, in steps (1 = raw)")
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"--smooth must be at least 1, got {args.smooth}")
+    out = args.out or args.runs[0].resolve().parent / "compare"
+    runs = []
+    for path in args.runs:
+        if path.resolve() == out.resolve() and not (path / "metrics.jsonl").exists():
+            print(f"logra-plot: skipping {path}: it is this command's output directory", file=sys.stderr)
+            continue  # `logra-plot outputs/quickstart/*` a second time picks up the compare/ it wrote
+        try:
+            runs.append(load_run(path))
+        except (OSError, ValueError) as error:
+            print(f"logra-plot: {error}", file=sys.stderr)
+            return 2
+    if not runs:
+        print("logra-plot: no run directories left to compare", file=sys.stderr)
+        return 2
+    labels = [label.strip() for label in args.labels.split(",")] if args.labels else default_labels(runs)
+    if len(labels) != len(runs) or len(set(labels)) != len(labels):
+        print(f"logra-plot: --labels needs {len(runs)} distinct labels, got {labels}", file=sys.stderr)
+        return 2
+    for run, label in zip(runs, labels, strict=True):
+        run.label = label
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table([summarize(run) for run in runs])
+    (out / "comparison.md").write_text(table)
+    png = plot_comparison(runs, out / "comparison.png", smooth=args.smooth)
+    print(table)
+    print(f"logra-plot: wrote {png} and {out / 'comparison.md'}")
+    return 0
+
+
+def _read_records(metrics: Path) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{metrics} line {number} is not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{metrics} line {number} is not a metrics record (a JSON object with a 'step' key)")
+        records.append(record)
+    return records
+
+
+def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """The pass@1 and pass@k keys: k = rollout.eval_samples, the task from the keys (task.name may differ from
+    data.task, e.g. for reasoning_gym), preferring data.task when several tasks were evaluated."""
+    keys = {key for record in records for key in record if re.fullmatch(r"eval/.+/pass@\d+", key)}
+    tasks = sorted({key.rsplit("/", 1)[0] for key in keys})
+    if not tasks:
+        return None, None
+    prefix = f"eval/{_get(config, 'data.task')}"
+    prefix = prefix if prefix in tasks else tasks[0]
+    k = _get(config, "rollout.eval_samples")
+    ks = sorted(_k(key) for key in keys if key.startswith(f"{prefix}/pass@"))
+    pass1 = f"{prefix}/pass@1" if 1 in ks else None
+    passk = f"{prefix}/pass@{k}" if k in ks else f"{prefix}/pass@{ks[-1]}"
+    return pass1, passk
+
+
+def _final_eval(run: Run, key: str | None, last_step: int, with_k: bool = False) -> str:
+    """The last eval value; its step is added when it is not the run's last record (e.g. the final eval is missing)."""
+    steps, values = run.series(key)
+    if not steps:
+        return DASH
+    text = f"{values[-1]:.3f}" + (f" (k={_k(key)})" if with_k and key else "")
+    return text if steps[-1] == last_step else f"{text} @ step {steps[-1]}"
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _k(key: str | None) -> int:
+    return int(key.rsplit("@", 1)[1]) if key else 0
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values, so the curve starts at step 0 rather than `window` steps in."""
+    return [_mean(values[max(0, i + 1 - window) : i + 1]) or 0.0 for i in range(len(values))]
+
+
+def _num(value: float | None, spec: str) -> str:
+    return DASH if value is None else format(value, spec)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _note(axis: Any, text: str) -> None:
+    axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes, color="gray")
