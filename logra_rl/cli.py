@@ -1,8 +1,9 @@
-"""Console scripts. `logra-train` composes the Hydra config and runs the Controller."""
+"""Console scripts: `logra-train` (the Controller), `logra-eval` (pass@k of a model or checkpoint), `logra-plot`."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -68,25 +69,71 @@ def _train(cfg: DictConfig) -> None:
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError)
 
 
-def _exit_with_one_line(error: Exception) -> None:
+def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
     """A configuration or data problem (also when raised inside a Ray worker) is one line; anything else a traceback."""
     cause = getattr(error, "cause", None) if type(error).__name__.startswith("RayTaskError") else error
     if isinstance(cause, USER_ERRORS) and not os.environ.get("LOGRA_TRACEBACK"):
-        sys.exit(f"logra-train: {type(cause).__name__}: {cause}  (LOGRA_TRACEBACK=1 shows the traceback)")
+        sys.exit(f"{program}: {type(cause).__name__}: {cause}  (LOGRA_TRACEBACK=1 shows the traceback)")
     raise error
 
 
+def _eval(cfg: DictConfig) -> None:
+    """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
+    from logra_rl.config import RunConfig
+    from logra_rl.eval.export import export_checkpoint
+    from logra_rl.orchestration.controller import Controller
+
+    try:
+        config = RunConfig.from_mapping(cfg)
+    except ValueError as error:
+        sys.exit(f"logra-eval: {error}")
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    controller = Controller(config, run_dir, OmegaConf.to_container(cfg, resolve=True))
+    try:
+        model_path, step = None, 0
+        if config.eval.checkpoint:
+            name = Path(config.eval.checkpoint).name
+            step = int(name.removeprefix("step_")) if name.startswith("step_") else 0  # the trainer's eval seed
+            model_path = str(export_checkpoint(config.eval.checkpoint, config.model.path, run_dir / f"export_{name}"))
+        controller.setup(train=False, model_path=model_path)
+        metrics = controller.evaluate(step=step)
+    except Exception as error:
+        _exit_with_one_line(error, "logra-eval")
+    finally:
+        controller.teardown()
+    (run_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    for name, value in sorted(metrics.items()):
+        print(f"{name:<50} {value:.4f}")
+    print(f"[logra-eval] graded samples: {run_dir / 'eval'}/  metrics: {run_dir / 'eval_metrics.json'}")
+
+
 train = hydra.main(config_path="configs", config_name="config", version_base=None)(_train)
+evaluate = hydra.main(config_path="configs", config_name="config", version_base=None)(_eval)
 
 
-def main() -> None:
+def _entry(app, name: str) -> None:
     import transformers
 
     transformers.logging.disable_progress_bar()
     problem = check_overrides(sys.argv[1:])
     if problem:
-        sys.exit(f"logra-train: {problem}")
-    train()
+        sys.exit(f"{name}: {problem}")
+    app()
+
+
+def main() -> None:
+    _entry(train, "logra-train")
+
+
+def eval_main() -> None:
+    _entry(evaluate, "logra-eval")
+
+
+def plot() -> None:
+    from logra_rl.utils.plot import plot_main
+
+    sys.exit(plot_main(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -233,6 +233,14 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """`logra-eval` and the trainer's evals: graded samples to eval/step_N.jsonl; a checkpoint to evaluate."""
+
+    checkpoint: str | None = None  # logra-eval: a run's checkpoints/step_N directory instead of model.path
+    write_samples: bool = True
+
+
+@dataclass(frozen=True)
 class RunConfig:
     experiment: str = "quickstart"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -245,6 +253,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @classmethod
     def from_mapping(cls, values: Any) -> RunConfig:
@@ -267,6 +276,7 @@ class RunConfig:
             "ray": lambda v: from_mapping(RayConfig, v, "ray."),
             "trainer": lambda v: from_mapping(TrainerConfig, v, "trainer."),
             "logger": lambda v: from_mapping(LoggerConfig, v, "logger."),
+            "eval": lambda v: from_mapping(EvalConfig, v, "eval."),
         }
         unknown = sorted(set(values) - set(groups) - {"experiment"})
         if unknown:

@@ -92,3 +92,25 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(7))
     assert [stable(r) for r in resumed] == [stable(r) for r in straight]
+
+    # logra-eval on the final checkpoint reproduces the trainer's final eval exactly, with graded samples
+    checkpoint = tmp_path / "outputs/quickstart/straight/checkpoints/step_6"
+    result = subprocess.run(
+        [
+            str(Path(LOGRA_TRAIN).with_name("logra-eval")),
+            *common,
+            f"eval.checkpoint={checkpoint}",
+            "trainer.run_name=ev",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluated = json.loads((tmp_path / "outputs/quickstart/ev/eval_metrics.json").read_text())
+    assert evaluated == {k: v for k, v in straight[6].items() if k.startswith("eval/")}
+    samples = (tmp_path / "outputs/quickstart/ev/eval/step_6.jsonl").read_text().splitlines()
+    assert len(samples) == 10 * 4 and {"prompt", "response", "answer", "reward", "source"} <= set(
+        json.loads(samples[0])
+    )

@@ -21,3 +21,14 @@ def pass_at_k_metrics(rewards: Sequence[Sequence[float]], k: int, prefix: str) -
     pass1 = sum(pass_at_k(len(p), c, 1) for p, c in zip(rewards, correct, strict=True)) / len(rewards)
     passk = sum(pass_at_k(len(p), c, k) for p, c in zip(rewards, correct, strict=True)) / len(rewards)
     return {f"{prefix}/pass@1": pass1, f"{prefix}/pass@{k}": passk}
+
+
+def eval_metrics(rewards: Sequence[Sequence[float]], sources: Sequence[str], k: int, prefix: str) -> dict[str, float]:
+    """pass@1 / pass@k overall, and per source (`{prefix}/{source}/pass@…`) when the prompts have several."""
+    metrics = pass_at_k_metrics(rewards, k, prefix)
+    names = sorted(set(sources))
+    if len(names) > 1:
+        for name in names:
+            subset = [r for r, source in zip(rewards, sources, strict=True) if source == name]
+            metrics.update(pass_at_k_metrics(subset, k, f"{prefix}/{name}"))
+    return metrics

@@ -13,6 +13,7 @@ The controller runs in the driver process; the workers are Ray actors (orchestra
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer
 
 from logra_rl.config import RunConfig
 from logra_rl.data import Example, PromptSampler, load_task
-from logra_rl.eval import pass_at_k_metrics
+from logra_rl.eval import eval_metrics
 from logra_rl.logra import find_targets
 from logra_rl.logra.optimizer import check_rank
 from logra_rl.models.tiny import build_quickstart_model
@@ -73,26 +74,30 @@ class Controller:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def setup(self, train: bool = True, model_path: str | None = None) -> None:
+        """Data, Ray, the rollout engines and the reward pool; with `train` also the train group, resume and
+        the first full resync (`logra-eval` runs without them, on `model_path`)."""
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         task = load_task(config.data)
-        self.model_path = self._model_path()
+        self.model_path = model_path or self._model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task_name = task.name
         self.train_prompts = self._encode(task.train, "train")
         self.eval_prompts = self._encode(task.eval, "eval")
         self.sampler = PromptSampler(self.train_prompts, config.data.seed)
-        self.targets = self._target_shapes()  # checks targets and rank on the driver, before any actor starts
+        if train:
+            self.targets = self._target_shapes()  # checks targets and rank on the driver, before any actor starts
         self._owns_ray = start_ray(config)
-        self.train = WorkerGroup(
-            TrainWorker,
-            config.cluster.train_workers,
-            "train",
-            cpus=config.cluster.cpus_per_worker,
-            gpus=1,
-            arguments=lambda rank: (config, self.model_path, rank, config.cluster.train_workers),
-        )
+        if train:
+            self.train = WorkerGroup(
+                TrainWorker,
+                config.cluster.train_workers,
+                "train",
+                cpus=config.cluster.cpus_per_worker,
+                gpus=1,
+                arguments=lambda rank: (config, self.model_path, rank, config.cluster.train_workers),
+            )
         engine, engine_arguments = self._engine()
         self.rollout = WorkerGroup(
             engine,
@@ -102,9 +107,11 @@ class Controller:
             gpus=config.rollout.gpus_per_engine,
             arguments=lambda _: engine_arguments,
         )
+        self.rewards = RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s)
+        if not train:
+            return
         master = ray.get(self.train.actors[0].address.remote())
         self.train.call("setup", *master)
-        self.rewards = RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s)
         self._resume()
         self.full_resync()
         self.metrics = MetricsLogger(
@@ -401,13 +408,34 @@ class Controller:
         }
 
     def evaluate(self, step: int) -> dict[str, float]:
+        """pass@1 and pass@k on the eval split, overall and per source; graded samples go to eval/step_N.jsonl."""
         if not self.eval_prompts:
             return {}
         params = self.sampling(evaluation=True)
         completions = self.generate(self.eval_prompts, params, seed=self._seed(step, stream=2))
         rewards, _ = self.grade(self.eval_prompts, completions)
         per_prompt = rewards.view(len(self.eval_prompts), params.n).tolist()
-        return pass_at_k_metrics(per_prompt, params.n, prefix=f"eval/{self.task_name}")
+        sources = [str(p.example.metadata.get("source", self.task_name)) for p in self.eval_prompts]
+        if self.config.eval.write_samples:
+            self._write_samples(step, completions, rewards.tolist(), params.n)
+        return eval_metrics(per_prompt, sources, params.n, prefix=f"eval/{self.task_name}")
+
+    def _write_samples(self, step: int, completions: Sequence[Completion], rewards: list[float], n: int) -> None:
+        path = self.run_dir / "eval" / f"step_{step}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with path.open("w") as stream:
+            for index, (completion, reward) in enumerate(zip(completions, rewards, strict=True)):
+                example = self.eval_prompts[index // n].example
+                record = {
+                    "prompt": example.messages[-1]["content"],
+                    "response": self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+                    "answer": example.answer,
+                    "reward": reward,
+                    "sample": index % n,
+                    "source": example.metadata.get("source", self.task_name),
+                    "finished": completion.finished,
+                }
+                stream.write(json.dumps(record) + "\n")
 
     def save_checkpoint(self, step: int) -> None:
         path = self.checkpoints.begin(step)
@@ -434,7 +462,7 @@ class Controller:
         if hasattr(self, "rewards"):
             self.rewards.close()
         for name in ("train", "rollout"):
-            if hasattr(self, name):
+            if hasattr(self, name):  # train is absent under logra-eval
                 getattr(self, name).kill()
         if getattr(self, "_owns_ray", False):
             ray.shutdown()

@@ -16,8 +16,15 @@ from omegaconf import OmegaConf
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 DASH = "—"
+# Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against.
+KL_STYLES: dict[str, dict[str, Any]] = {
+    "logra/kl_realized": {"linestyle": "-", "linewidth": 0.8, "alpha": 0.7},
+    "logra/kl_predicted": {"linestyle": "--", "linewidth": 1.6, "zorder": 3},
+}
 RUN_DIR_CONTENTS = "a run directory (outputs/<experiment>/<run_name>/) holds metrics.jsonl and config.yaml"
 
 
@@ -73,7 +80,7 @@ class Run:
     def series(self, key: str | None) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, skipping records without it or with null (a value that could not be computed)."""
         points = [(r["step"], float(r[key])) for r in self.records if key and r.get(key) is not None]
-        return ([s for s, _ in points], [v for _, v in points]) if points else ([], [])
+        return [s for s, _ in points], [v for _, v in points]
 
     def values(self, key: str | None) -> list[float]:
         return self.series(key)[1]
@@ -141,7 +148,7 @@ def summarize(run: Run) -> dict[str, str]:
         "reward first 5": _num(_mean(rewards[:5]), ".3f"),
         "reward last 5": _num(_mean(rewards[-5:]), ".3f"),
         "eval pass@1": _final_eval(run, run.pass1_key, last_step),
-        "eval pass@k": _final_eval(run, run.passk_key, last_step, with_k=True),
+        "eval pass@k": _final_eval(run, run.passk_key, last_step),
         "KL realised (mean)": _num(_mean(run.values("logra/kl_realized")), ".2e"),
         "KL predicted (mean)": _num(_mean(run.values("logra/kl_predicted")), ".2e"),
         "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
@@ -149,6 +156,19 @@ def summarize(run: Run) -> dict[str, str]:
         "updates/h (median)": _num(statistics.median(updates) if updates else None, ",.0f"),
         "wall time": _duration(sum(timings)) if timings else DASH,
     }
+
+
+def comparison_rows(runs: list[Run]) -> list[dict[str, str]]:
+    """One `summarize` row per run; k goes into the pass@k header when the runs share it, else into each cell."""
+    ks = {_k(run.passk_key) for run in runs if run.passk_key}
+    header = f"eval pass@{next(iter(ks))}" if len(ks) == 1 else "eval pass@k"
+    rows = []
+    for run in runs:
+        row = summarize(run)
+        if len(ks) > 1 and row["eval pass@k"] != DASH:
+            row["eval pass@k"] += f" (k={_k(run.passk_key)})"
+        rows.append({(header if column == "eval pass@k" else column): value for column, value in row.items()})
+    return rows
 
 
 def markdown_table(rows: list[dict[str, str]]) -> str:
@@ -186,14 +206,16 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
     passk.set_title(f"eval pass@{ks.pop()}" if len(ks) == 1 else "eval pass@k")
 
     for run in runs:
-        for key, style in (("logra/kl_realized", "-"), ("logra/kl_predicted", "--")):
+        for key, style in KL_STYLES.items():
             steps, values = run.series(key)
             kept = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # log scale: zero KL has no place
             if kept:
-                kl.plot(*zip(*kept, strict=True), style, color=color[run.label], linewidth=0.9)
-    kl.set_title("KL per token: realised (solid) vs predicted (dashed)")
+                kl.plot(*zip(*kept, strict=True), color=color[run.label], **style)
+    kl.set_title("KL per token: realised vs predicted")
     if kl.lines:
         kl.set_yscale("log")
+        handles = [Line2D([], [], color="gray", **style) for style in KL_STYLES.values()]
+        kl.legend(handles, ["realised", "predicted (q·α²)"], fontsize=8)
     else:
         _note(kl, "no logra/kl_* metrics (no LoGRA run)")
 
@@ -202,7 +224,7 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
     averages = [_mean(run.values("memory/train_avg_gib")) for run in runs]
     peaks = [max(run.values("memory/train_peak_gib"), default=None) for run in runs]
     width = 0.38
-    for offset, values, hatch, name in ((-width / 2, averages, "//", "average"), (width / 2, peaks, None, "peak")):
+    for offset, values, hatch in ((-width / 2, averages, "//"), (width / 2, peaks, None)):
         bars = memory.bar(
             [p + offset for p in positions],
             [v or 0.0 for v in values],
@@ -212,19 +234,19 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
             hatch=hatch,
             edgecolor="black",
             linewidth=0.5,
-            label=name,
         )
-        memory.bar_label(bars, labels=[_num(v, ".2f") for v in values], fontsize=8)
-    memory.set_title("train worker memory (GiB): average (hatched) and peak")
-    memory.legend(fontsize=8, loc="lower right")
+        memory.bar_label(bars, labels=[_num(v, ".2f").replace(DASH, "no data") for v in values], fontsize=8)
+    memory.set_title("train worker memory (GiB): average and peak")
+    handles = [Patch(facecolor="lightgray", hatch="//", edgecolor="black"), Patch(facecolor="gray", edgecolor="black")]
+    memory.legend(handles, ["average", "peak"], fontsize=8, loc="lower right")
 
     medians = [statistics.median(v) if (v := run.values("perf/updates_per_hour")) else None for run in runs]
     bars = speed.bar(positions, [m or 0.0 for m in medians], 0.6, color=[color[label] for label in labels])
-    speed.bar_label(bars, labels=[_num(m, ",.0f") for m in medians], fontsize=8)
+    speed.bar_label(bars, labels=[_num(m, ",.0f").replace(DASH, "no data") for m in medians], fontsize=8)
     speed.set_title("optimizer updates per hour (median over steps)")
 
+    rotate = max(map(len, labels)) > 12
     for axis in (memory, speed):
-        rotate = max(map(len, labels)) > 12
         axis.set_xticks(positions, labels, rotation=20 if rotate else 0, ha="right" if rotate else "center")
         axis.margins(y=0.12)
     for axis in (reward, pass1, passk, kl):
@@ -235,7 +257,7 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
     for axis in (reward, pass1, passk):
         if axis.lines:
             axis.legend(fontsize=8)
-    figure.suptitle(" vs ".join(labels), fontsize=13)
+    figure.suptitle(" vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs", fontsize=13)
     figure.tight_layout()
     figure.savefig(output, dpi=110)
     plt.close(figure)
@@ -276,7 +298,7 @@ def plot_main(argv: list[str] | None = None) -> int:
     for run, label in zip(runs, labels, strict=True):
         run.label = label
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table([summarize(run) for run in runs])
+    table = markdown_table(comparison_rows(runs))
     (out / "comparison.md").write_text(table)
     png = plot_comparison(runs, out / "comparison.png", smooth=args.smooth)
     print(table)
@@ -315,13 +337,12 @@ def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[s
     return pass1, passk
 
 
-def _final_eval(run: Run, key: str | None, last_step: int, with_k: bool = False) -> str:
+def _final_eval(run: Run, key: str | None, last_step: int) -> str:
     """The last eval value; its step is added when it is not the run's last record (e.g. the final eval is missing)."""
     steps, values = run.series(key)
     if not steps:
         return DASH
-    text = f"{values[-1]:.3f}" + (f" (k={_k(key)})" if with_k and key else "")
-    return text if steps[-1] == last_step else f"{text} @ step {steps[-1]}"
+    return f"{values[-1]:.3f}" if steps[-1] == last_step else f"{values[-1]:.3f} @ step {steps[-1]}"
 
 
 def _get(config: dict[str, Any], dotted: str) -> Any:

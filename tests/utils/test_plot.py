@@ -1,0 +1,152 @@
+"""logra-plot on three small run directories written by hand, and plot_run as the trainer calls it."""
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import yaml
+
+from logra_rl.utils.plot import Run, default_labels, plot_main, plot_run
+
+
+def write_run(run_dir: Path, optimizer: str, records: list[dict], total_steps: int = 10) -> Path:
+    """The two files logra-train writes that logra-plot reads (the config holds only the keys it uses)."""
+    run_dir.mkdir(parents=True)
+    config = {
+        "optimizer": {"name": optimizer},
+        "data": {"task": "gsm8k"},
+        "rollout": {"eval_samples": 4},
+        "trainer": {"total_steps": total_steps},
+    }
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def train_record(step: int, reward: float, timing: float, **extra: float | None) -> dict:
+    return {"step": step, "reward/mean": reward, "timing_s/step": timing, **extra}
+
+
+def logra_records() -> list[dict]:
+    """10 steps, reward step/10, KL realised 0.01 / predicted 0.02 (one null), evals at 0, 5 and the final one."""
+    records = []
+    for step in range(10):
+        record = train_record(
+            step,
+            step / 10,
+            1.5,
+            **{
+                "logra/kl_realized": None if step == 3 else 0.01,
+                "logra/kl_predicted": 0.02,
+                "memory/train_avg_gib": 1.0 if step % 2 else 1.5,
+                "memory/train_peak_gib": 2.0 + step / 10,
+                "perf/updates_per_hour": 1000.0 + 100 * step,
+            },
+        )
+        if step in (0, 5):
+            record |= {"eval/gsm8k/pass@1": 0.1 * (1 + step / 5), "eval/gsm8k/pass@4": 0.2 * (1 + step / 5)}
+        records.append(record)
+    return [*records, {"step": 10, "eval/gsm8k/pass@1": 0.5, "eval/gsm8k/pass@4": 0.8}]
+
+
+def dense_records() -> list[dict]:
+    """10 steps without logra/* keys."""
+    records = [
+        train_record(s, 0.5, 2.0, **{"memory/train_avg_gib": 3.0, "memory/train_peak_gib": 4.0}) for s in range(10)
+    ]
+    for record in records:
+        record["perf/updates_per_hour"] = 1800.0
+    records[0] |= {"eval/gsm8k/pass@1": 0.3, "eval/gsm8k/pass@4": 0.4}
+    return [*records, {"step": 10, "eval/gsm8k/pass@1": 0.4, "eval/gsm8k/pass@4": 0.6}]
+
+
+def short_records() -> list[dict]:
+    """Stopped after 6 of 10 steps: no final eval, no memory or speed metrics, an eval at step 0 only."""
+    records = [train_record(s, 0.2, 1.0) for s in range(6)]
+    records[0] |= {"eval/gsm8k/pass@1": 0.25, "eval/gsm8k/pass@4": 0.5, "logra/kl_realized": 0.0}
+    return records
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> list[Path]:
+    return [
+        write_run(tmp_path / "exp" / "logra", "logra", logra_records()),
+        write_run(tmp_path / "exp" / "dense", "dense", dense_records()),
+        write_run(tmp_path / "exp" / "short", "logra", short_records()),
+    ]
+
+
+def table_rows(markdown: str) -> dict[str, dict[str, str]]:
+    header, _, *lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in markdown.splitlines()]
+    return {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
+
+
+def test_compare_three_runs_writes_png_and_table(runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert plot_main([*map(str, runs), "--out", str(out), "--smooth", "3"]) == 0
+    png = out / "comparison.png"
+    assert png.stat().st_size > 10_000
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert width > 1000 and height > 500
+
+    markdown = (out / "comparison.md").read_text()
+    assert markdown in capsys.readouterr().out
+    rows = table_rows(markdown)
+    assert list(rows) == ["logra", "dense", "short (logra)"]
+    logra, dense, short = rows.values()
+    assert (logra["optimizer"], logra["steps"], dense["optimizer"], short["steps"]) == ("logra", "10", "dense", "6/10")
+    assert (logra["reward first 5"], logra["reward last 5"]) == ("0.200", "0.700")  # mean of 0..0.4, of 0.5..0.9
+    assert (logra["eval pass@1"], logra["eval pass@4"], dense["eval pass@4"]) == ("0.500", "0.800", "0.600")
+    assert (short["eval pass@1"], short["eval pass@4"]) == ("0.250 @ step 0", "0.500 @ step 0")
+    assert (logra["KL realised (mean)"], logra["KL predicted (mean)"]) == ("1.00e-02", "2.00e-02")  # null skipped
+    assert dense["KL realised (mean)"] == dense["KL predicted (mean)"] == "—"
+    assert (logra["mem avg GiB"], logra["mem peak GiB"], short["mem peak GiB"]) == ("1.25", "2.90", "—")
+    assert (logra["updates/h (median)"], dense["updates/h (median)"], short["updates/h (median)"]) == (
+        "1,450",
+        "1,800",
+        "—",
+    )
+    assert (logra["wall time"], dense["wall time"], short["wall time"]) == ("15.0 s", "20.0 s", "6.0 s")
+
+
+def test_default_out_dir_labels_and_rerun_over_a_glob(runs, capsys):
+    assert plot_main([*map(str, runs), "--labels", "A, B,C"]) == 0
+    out = runs[0].parent / "compare"
+    assert list(table_rows((out / "comparison.md").read_text())) == ["A", "B", "C"]
+    # `logra-plot exp/*` a second time: the glob now includes compare/, which is skipped with a note
+    assert plot_main(sorted(str(path) for path in runs[0].parent.iterdir())) == 0
+    assert "skipping" in capsys.readouterr().err
+
+
+def test_bad_inputs_fail_with_one_clear_line(runs, tmp_path, capsys):
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    assert plot_main([str(runs[0]), str(empty)]) == 2
+    error = capsys.readouterr().err
+    assert f"{empty} has no metrics.jsonl" in error and "metrics.jsonl and config.yaml" in error
+
+    assert plot_main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    broken = write_run(tmp_path / "broken", "logra", [])
+    (broken / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "reward/mean": \n')
+    assert plot_main([str(broken)]) == 2
+    assert "metrics.jsonl line 2 is not JSON" in capsys.readouterr().err
+
+    assert plot_main([*map(str, runs), "--labels", "a,b"]) == 2
+    assert "needs 3 distinct labels" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plot_main([str(runs[0]), "--smooth", "0"])
+
+
+def test_default_labels_are_unique_across_experiments(tmp_path):
+    paths = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "b" / "logra_r64"]
+    labels = default_labels([Run(path=path, config={"optimizer": {"name": "logra"}}, records=[]) for path in paths])
+    assert labels == ["a/run (logra)", "b/run (logra)", "logra_r64"]
+
+
+def test_plot_run_still_writes_the_end_of_run_png(tmp_path):
+    run = write_run(tmp_path / "logra", "logra", logra_records())
+    png = plot_run(run / "metrics.jsonl", tmp_path / "run.png", task="gsm8k", k=4)
+    assert png.stat().st_size > 10_000
