@@ -49,7 +49,7 @@ def test_every_experiment_composes_and_validates(experiment):
     if experiment != "quickstart":  # the 8-GPU node layout: 4 training GPUs + 4 rollout GPUs
         assert config.cluster.train_workers == 4
         assert config.rollout.num_engines * config.rollout.gpus_per_engine == 4
-        assert config.optimizer.name == ("dense" if experiment.endswith("_dense") else "logra")
+        assert config.optimizer.name == next((o for o in ("dense", "lora") if experiment.endswith(o)), "logra")
 
 
 def test_default_is_the_quickstart():
