@@ -32,7 +32,7 @@ def stable(record):
         (["+experiment=nope"], "unknown experiment 'nope'; choose one of ['dapo_math_1p5b', 'dapo_math_1p5b_dense'"),
         (["trainer.total_stepz=3"], "unknown key 'trainer.total_stepz': trainer has ['checkpoint_every'"),
         (["logra.kl.budjet=1"], "unknown key 'logra.kl.budjet': logra.kl has ['alpha_max', 'budget'"),
-        (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra']"),
+        (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra', 'lora']"),
         (["logra.rank=0"], "logra config: rank=0 is invalid"),
         (["model=hf"], "model.path is required"),
     ],
