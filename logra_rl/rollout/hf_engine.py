@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
 
+GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
+
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """End-of-turn ids: the generation config's (chat models list several) and the tokenizer's EOS."""
@@ -55,13 +57,20 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
-        """Sample `params.n` responses per prompt (left-padded batch), with per-token sampling log-probs."""
+        """Sample `params.n` responses per prompt, with per-token sampling log-probs, in batches of rows."""
         rows = [prompt for prompt in prompts for _ in range(params.n)]
+        torch.manual_seed(seed)
+        completions = []
+        for start in range(0, len(rows), GENERATE_BATCH_ROWS):
+            completions += self._generate_batch(rows[start : start + GENERATE_BATCH_ROWS], params)
+        return completions
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One left-padded `generate` call."""
         width = max(len(row) for row in rows)
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        torch.manual_seed(seed)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
