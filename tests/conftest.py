@@ -16,3 +16,15 @@ def quickstart_model(tmp_path_factory):
     from logra_rl.models.tiny import build_quickstart_model
 
     return str(build_quickstart_model(tmp_path_factory.mktemp("quickstart") / "model", hidden_size=64, format_steps=20))
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """A tiny Qwen3 with a printable-ASCII character tokenizer, for tasks with real text prompts."""
+    from logra_rl.models.tiny import char_tokenizer, tiny_model
+
+    path = tmp_path_factory.mktemp("text_model") / "model"
+    tokenizer = char_tokenizer()
+    tiny_model(tokenizer, hidden_size=64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

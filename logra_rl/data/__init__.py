@@ -1,4 +1,4 @@
-"""Data: examples, the task registry (local files, reasoning-gym, quickstart) and the prompt sampler."""
+"""Data: examples, the task registry (local files, math, reasoning-gym, quickstart) and the prompt sampler."""
 
 from logra_rl.data.config import DataConfig
 from logra_rl.data.sampler import PromptSampler

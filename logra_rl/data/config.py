@@ -15,7 +15,8 @@ REASONING_GYM_KEYS = ("datasets", "config")
 class DataConfig:
     """Which prompts to train and evaluate on, and how to grade them.
 
-    task: a registered task name: `files` (local jsonl/parquet), `reasoning_gym` (procedural), `quickstart`.
+    task: a registered task name: `files` (local jsonl/parquet), `math` (DAPO-Math / MATH-500: hub ids, local
+        directories or files), `reasoning_gym` (procedural), `quickstart`. docs/data.md describes each.
     train_files / val_files (task `files`): local .jsonl/.json/.parquet paths; one string is one file.
         verl's schema works as is: `prompt` (chat messages, or a plain string → one user message) and the answer
         at `reward_model.ground_truth`; `data_source` is kept in the metadata when present. With no val_files,
@@ -23,16 +24,16 @@ class DataConfig:
         `eval_size` is unset.
     prompt_key / answer_key: where the prompt and the reference answer live in a record; dotted paths walk
         into nested records (`reward_model.ground_truth`). A plain schema: prompt_key=input answer_key=output.
-    reward: the reward function name (see logra_rl.rewards); None → the task's default (`math_verify` for
-        files, `reasoning_gym` for reasoning_gym).
+    reward: the reward function name (see logra_rl.rewards); None → the task's default (`math` for files and
+        math — or a prepared file's own `extra_info.reward` — and `reasoning_gym` for reasoning_gym).
     system_prompt: prepended as a system message to every prompt (replacing a record's own system message).
     seed: generator seed (reasoning_gym) and hold-out split seed (files).
     train_size / eval_size: how many examples; None → all records (files) or 10000 / 200 (reasoning_gym).
     max_prompt_length / max_response_length: tokens (verl's names); longer prompts are dropped at start (the
         count is printed), responses are cut at max_response_length (and count in response_length/clip_ratio).
-    reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights) or a
-        mapping name → sampling weight (several names make a weighted mixture); the optional `config` maps a
-        name to its generator kwargs, e.g.
+    reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights), a
+        mapping name → sampling weight (several names make a weighted mixture), or the preset `hard` (eight
+        tasks at hard settings); the optional `config` maps a name to its generator kwargs, e.g.
         `{"datasets": {"basic_arithmetic": 1.0, "gcd": 0.5}, "config": {"gcd": {"max_value": 1000}}}`.
     """
 

@@ -2,9 +2,14 @@
 
 Train and eval are generated with disjoint seed ranges: reasoning-gym draws item i of a dataset seeded s
 from `Random(s + i)`, so seeds s and s+1 share all but one item. Train uses seed s for items [0, train_size)
-and eval uses seed s + train_size, which never reuses a train item's generator (tiny problem spaces can
-still repeat a question by chance). In a mixture, the composite picks item i's dataset with `Random(s + i)`
-and seeds its k-th dataset s + k + 1, so the pick and the item are drawn from different generators.
+and eval uses seed s + EVAL_SEED_OFFSET, which never reuses a train item's generator while train_size stays
+below the offset, and keeps the eval set the same whatever train_size is (tiny problem spaces can still repeat
+a question by chance). In a mixture, the composite picks item i's dataset with `Random(s + i)` and seeds its
+k-th dataset s + k + 1, so the pick and the item are drawn from different generators.
+
+`data.reasoning_gym.datasets: hard` names the preset HARD_MIXTURE: eight tasks at settings above their
+defaults, chosen so each generates an item in a few milliseconds (docs/data.md has the table);
+`data.reasoning_gym.config.<name>` keys override the preset's settings.
 """
 
 from __future__ import annotations
@@ -24,6 +29,19 @@ from logra_rl.rewards import get_reward_function
 
 DEFAULT_TRAIN_SIZE = 10_000
 DEFAULT_EVAL_SIZE = 200
+EVAL_SEED_OFFSET = 10**9  # below 2**32 with the seed: one dataset seeds numpy with seed + index
+# The "hard" mixture: equal weights; every reference answer scores 1.0 with its own scorer.
+HARD_MIXTURE = {
+    "arc_1d": {"min_size": 25, "max_size": 40},  # above 40 one of its generators can loop forever
+    "cryptarithm": {"min_words": 3, "max_words": 5},
+    "kakurasu": {"min_rows": 6, "max_rows": 7, "min_cols": 6, "max_cols": 7},
+    "knights_knaves": {"n_people": 4, "depth_constraint": 3, "width_constraint": 3},
+    "maze": {"min_dist": 15, "max_dist": 25, "min_grid_size": 15, "max_grid_size": 25},
+    "mini_sudoku": {"min_empty": 10, "max_empty": 12},
+    "string_manipulation": {"min_string_length": 20, "max_string_length": 40, "min_num_rules": 8, "max_num_rules": 12},
+    "word_ladder": {"min_word_length": 5, "max_word_length": 5},
+}
+PRESETS = {"hard": HARD_MIXTURE}
 ANSWER_INSTRUCTION = "Give your final answer inside <answer></answer> tags, with nothing else inside the tags."
 
 
@@ -35,21 +53,31 @@ def load_reasoning_gym_task(config: DataConfig) -> Task:
     train_size = DEFAULT_TRAIN_SIZE if config.train_size is None else config.train_size
     eval_size = DEFAULT_EVAL_SIZE if config.eval_size is None else config.eval_size
     train = _generate(weights, generator_kwargs, config.seed, train_size, config, reward)
-    eval_ = _generate(weights, generator_kwargs, config.seed + train_size, eval_size, config, reward)
+    eval_ = _generate(weights, generator_kwargs, config.seed + EVAL_SEED_OFFSET, eval_size, config, reward)
     return Task(name="reasoning_gym", train=train, eval=eval_)
 
 
 def _mixture(spec: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """(name → weight, name → generator kwargs) from `data.reasoning_gym`, with every name checked."""
     datasets = spec.get("datasets")
+    generator_kwargs = dict(spec.get("config") or {})
+    if isinstance(datasets, str):
+        if datasets not in PRESETS:
+            raise ValueError(
+                f"unknown reasoning-gym preset {datasets!r}; presets are {sorted(PRESETS)}, or give a list of "
+                "dataset names or a mapping name → weight"
+            )
+        preset = PRESETS[datasets]
+        user_kwargs, datasets = generator_kwargs, list(preset)
+        generator_kwargs = {name: {**kwargs, **user_kwargs.get(name, {})} for name, kwargs in preset.items()}
+        generator_kwargs |= {name: kwargs for name, kwargs in user_kwargs.items() if name not in preset}
     if isinstance(datasets, list | tuple):
         datasets = dict.fromkeys(datasets, 1.0)
     if not isinstance(datasets, Mapping) or not datasets:
         raise ValueError(
-            "task 'reasoning_gym' needs data.reasoning_gym.datasets: a list of names or a mapping name → weight, "
-            "e.g. data.reasoning_gym.datasets={basic_arithmetic: 1.0, gcd: 0.5}"
+            "task 'reasoning_gym' needs data.reasoning_gym.datasets: a list of names, a mapping name → weight, "
+            f"e.g. data.reasoning_gym.datasets={{basic_arithmetic: 1.0, gcd: 0.5}}, or a preset {sorted(PRESETS)}"
         )
-    generator_kwargs = dict(spec.get("config") or {})
     for name in [*datasets, *generator_kwargs]:
         if name not in DATASETS or name == "composite":
             close = difflib.get_close_matches(str(name), DATASETS, n=3)
@@ -114,6 +142,7 @@ def _example(entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]],
     answer = "" if entry["answer"] is None else str(entry["answer"])
     metadata = {
         "data_source": f"reasoning_gym/{name}",
+        "source": f"reasoning_gym/{name}",
         "dataset": name,
         "dataset_config": generator_kwargs.get(name, {}),
         "entry": entry,

@@ -16,7 +16,12 @@ from logra_rl.data.config import DataConfig
 TaskLoader = Callable[[DataConfig], "Task"]
 
 _TASKS: dict[str, TaskLoader] = {}
-BUILTIN_TASK_MODULES = ("logra_rl.data.files", "logra_rl.data.reasoning_gym_task", "logra_rl.data.quickstart")
+BUILTIN_TASK_MODULES = (
+    "logra_rl.data.files",
+    "logra_rl.data.math",
+    "logra_rl.data.reasoning_gym_task",
+    "logra_rl.data.quickstart",
+)
 
 
 @dataclass(frozen=True)

@@ -415,7 +415,10 @@ class Controller:
         completions = self.generate(self.eval_prompts, params, seed=self._seed(step, stream=2))
         rewards, _ = self.grade(self.eval_prompts, completions)
         per_prompt = rewards.view(len(self.eval_prompts), params.n).tolist()
-        sources = [str(p.example.metadata.get("source", self.task_name)) for p in self.eval_prompts]
+        sources = [
+            str(p.example.metadata.get("source", self.task_name)).removeprefix(f"{self.task_name}/")
+            for p in self.eval_prompts
+        ]  # e.g. reasoning_gym/maze → eval/reasoning_gym/maze/pass@1
         if self.config.eval.write_samples:
             self._write_samples(step, completions, rewards.tolist(), params.n)
         return eval_metrics(per_prompt, sources, params.n, prefix=f"eval/{self.task_name}")

@@ -1,9 +1,9 @@
 """Reward functions: `fn(response, answer, metadata) -> float` in [0, 1], looked up by name.
 
-A name is either registered here (`exact_match`, `math_verify`, `reasoning_gym`, or your own via
-`register_reward`) or an import path `package.module:function`, so a custom grader also resolves
-inside a fresh grading process. math-verify uses `signal.alarm` for its own timeouts, which only
-works on a process's main thread: call these through `RewardPool`, not from threads.
+A name is either registered (`exact_match` and `reasoning_gym` here, `math` and its alias `math_verify` in
+logra_rl.rewards.math, or your own via `register_reward`) or an import path `package.module:function`, so a
+custom grader also resolves inside a fresh grading process. A grader that gives up on an item at its own
+time limit raises GraderTimeout: the pool scores it 0 and counts it as a timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
-from math_verify import parse, verify
 from reasoning_gym import create_dataset
 from reasoning_gym.utils import extract_answer
 
@@ -23,6 +22,10 @@ RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
 _REWARDS: dict[str, RewardFunction] = {}
 # Tokens a decoder may leave at the end of a response when it is not told to skip special tokens.
 END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
+
+
+class GraderTimeout(Exception):
+    """A grader stopped itself at its time limit (the item scores 0 and counts in `reward/grader_timeouts`)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
@@ -64,13 +67,13 @@ def strip_end_of_text(response: str) -> str:
     return text
 
 
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last `\boxed{...}` (balanced braces), or None if there is none or it is unclosed."""
-    start = text.rfind("\\boxed{")
+def last_boxed(text: str, command: str = "\\boxed") -> str | None:
+    r"""Content of the last `\boxed{...}` (or `command{...}`; balanced braces), or None if none or it is unclosed."""
+    start = text.rfind(command + "{")
     if start < 0:
         return None
     depth = 0
-    content_start = start + len("\\boxed{")
+    content_start = start + len(command) + 1
     for i in range(content_start - 1, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
@@ -78,26 +81,10 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _as_latex(answer: str) -> str:
-    """Plain answers (`0.5`, `\\frac12`) parse best as inline math; already-delimited ones stay as they are."""
-    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
-
-
 @register_reward("exact_match")
 def exact_match_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the stripped response is exactly the stripped answer."""
     return float(strip_end_of_text(response) == answer.strip())
-
-
-@register_reward("math_verify")
-def math_verify_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    r"""1.0 when the last `\boxed{}` (or else the whole response) is mathematically equal to the answer."""
-    gold = parse(_as_latex(answer.strip()))
-    if not gold:
-        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}; fix the dataset's answer column")
-    boxed = last_boxed(response)
-    prediction = parse(_as_latex(boxed) if boxed is not None else strip_end_of_text(response))
-    return float(verify(gold, prediction))
 
 
 @cache

@@ -1,8 +1,9 @@
 """Grading in worker processes with a hard per-item timeout.
 
-Graders run in the main thread of spawned worker processes (math-verify's `signal.alarm` timeouts need
-that), started once and reused. pebble's ProcessPool enforces the per-item timeout: a timed-out item's
-worker is killed and replaced, so one pathological answer costs at most `timeout_s` and reward 0. A grader
+Graders run in the main thread of spawned worker processes (so signal-based timeouts such as the `math`
+reward's work there), started once and reused. pebble's ProcessPool enforces the per-item timeout: a timed-out item's
+worker is killed and replaced, so one pathological answer costs at most `timeout_s` and reward 0; a grader that
+stops itself earlier (GraderTimeout, e.g. the `math` reward at 5 s) counts as a timeout too. A grader
 exception, or a reward that is not a finite number in [0, 1], also scores 0 with the error recorded: the
 caller never sees an exception from a grader. Workers are spawned, so they re-import the caller's main
 module: it must be a file or a `-m` module, with its entry point behind `if __name__ == "__main__":`.
@@ -22,7 +23,7 @@ from typing import Any
 
 from pebble import ProcessPool
 
-from logra_rl.rewards.graders import get_reward_function
+from logra_rl.rewards.graders import GraderTimeout, get_reward_function
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class RewardPool:
     def _result(future) -> GradeResult:
         try:
             return GradeResult(reward=future.result())
-        except FutureTimeoutError:
+        except (FutureTimeoutError, GraderTimeout):
             return GradeResult(reward=0.0, timed_out=True)
         except BrokenProcessPool as error:  # no worker can run: grading nothing is not a reward of 0
             raise RuntimeError(

@@ -34,8 +34,8 @@ def test_verl_schema_in_jsonl_and_parquet(tmp_path):
     assert (task.name, len(task.train), len(task.eval)) == ("files", 10, 3)
     example = task.train[4]
     assert example.messages == ({"role": "user", "content": "What is 4 + 4?"},)
-    assert (example.answer, example.reward) == ("8", "math_verify")
-    assert example.metadata == {"data_source": "gsm8k", "file": jsonl, "index": 4}
+    assert (example.answer, example.reward) == ("8", "math")
+    assert example.metadata == {"source": "gsm8k", "data_source": "gsm8k", "file": jsonl, "index": 4}
     assert task.eval[2].answer == "4" and task.eval[2].metadata["file"] == parquet
 
 
@@ -81,6 +81,9 @@ def test_missing_file_is_named(tmp_path):
         load_task(_files_config(train_files=[str(tmp_path / "data.csv")]))
     with pytest.raises(ValueError, match=r"needs data\.train_files"):
         load_task(_files_config())
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl has no records"):
+        load_task(_files_config(train_files=[str(tmp_path / "empty.jsonl")]))
 
 
 def test_missing_key_names_the_keys_that_exist(tmp_path):
@@ -101,3 +104,21 @@ def test_malformed_prompts_and_unknown_rewards_are_named(tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", [{"prompt": "q", "answer": "a"}])
     with pytest.raises(ValueError, match="unknown reward 'mathverify'"):
         load_task(_files_config(train_files=[good], answer_key="answer", reward="mathverify"))
+
+
+def test_a_prepared_files_extra_info_sets_reward_and_grader_metadata(tmp_path):
+    records = [
+        {**VERL_RECORDS[0], "extra_info": {"reward": "exact_match", "metadata": '{"source": "toy", "k": [1]}'}},
+        {**VERL_RECORDS[1], "extra_info": {"reward": None, "metadata": None}},
+    ]
+    path = _write_jsonl(tmp_path / "prepared.jsonl", records)
+    first, second = load_task(_files_config(train_files=[path])).train
+    assert (first.reward, first.metadata["source"], first.metadata["k"]) == ("exact_match", "toy", [1])
+    assert (second.reward, second.metadata["source"]) == ("math", "gsm8k")
+    assert load_task(_files_config(train_files=[path], reward="math")).train[0].reward == "math"  # config wins
+    bad = [{**VERL_RECORDS[0], "extra_info": {"reward": "os:system"}}]
+    with pytest.raises(ValueError, match=r"record 0: extra_info.reward='os:system' is an import path"):
+        load_task(_files_config(train_files=[_write_jsonl(tmp_path / "bad.jsonl", bad)]))
+    bad = [{**VERL_RECORDS[0], "extra_info": {"metadata": "[1, 2]"}}]
+    with pytest.raises(ValueError, match=r"extra_info\.metadata must be a JSON object string"):
+        load_task(_files_config(train_files=[_write_jsonl(tmp_path / "bad2.jsonl", bad)]))

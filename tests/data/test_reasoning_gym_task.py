@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from logra_rl.data import DataConfig, load_task
+from logra_rl.data.reasoning_gym_task import HARD_MIXTURE
 from logra_rl.rewards import reasoning_gym_reward
 
 
@@ -61,8 +62,28 @@ def test_weighted_mixture_samples_by_weight():
         ({"datasets": ["gcd"], "config": {"gcd": {"max_valu": 5}}}, r"unknown or reserved key\(s\) \['max_valu'\]"),
         ({"datasets": ["gcd"], "config": {"gcd": {"seed": 5}}}, r"unknown or reserved key\(s\) \['seed'\]"),
         ({"datasets": ["gcd"], "config": {"gcd": {"min_value": 0}}}, "config.gcd=.* is invalid"),
+        ({"datasets": "hardd"}, r"unknown reasoning-gym preset 'hardd'; presets are \['hard'\]"),
+        ({"datasets": "hard", "config": {"maze": {"max_dst": 3}}}, r"config.maze: unknown or reserved key\(s\) \['max"),
     ],
 )
 def test_bad_specs_are_named(spec, message):
     with pytest.raises(ValueError, match=message):
         load_task(_config(reasoning_gym=spec, train_size=2, eval_size=1))
+
+
+def test_the_hard_preset_mixes_eight_tasks_whose_reference_answers_score_one():
+    spec = {"datasets": "hard", "config": {"maze": {"max_dist": 20}}}  # the user's keys override the preset's
+    task = load_task(_config(reasoning_gym=spec, train_size=48, eval_size=16))
+    assert {e.metadata["dataset"] for e in task.train} == set(HARD_MIXTURE)
+    for example in task.train + task.eval:
+        name = example.metadata["dataset"]
+        expected = {**HARD_MIXTURE[name], "max_dist": 20} if name == "maze" else HARD_MIXTURE[name]
+        assert example.metadata["dataset_config"] == expected
+        assert example.metadata["source"] == f"reasoning_gym/{name}"
+        tagged = f"<answer>{example.answer}</answer>"
+        assert reasoning_gym_reward(tagged, example.answer, example.metadata) == 1.0, name
+
+
+def test_the_eval_split_does_not_depend_on_train_size():
+    small, large = (_config(reasoning_gym={"datasets": ["gcd"]}, train_size=n, eval_size=5) for n in (3, 50))
+    assert [e.messages for e in load_task(small).eval] == [e.messages for e in load_task(large).eval]

@@ -6,6 +6,7 @@ from logra_rl.rewards import (
     exact_match_reward,
     get_reward_function,
     last_boxed,
+    math_reward,
     math_verify_reward,
     reasoning_gym_reward,
     register_reward,
@@ -21,9 +22,10 @@ def _unit_reward(response, answer, metadata):
 
 def test_registry_has_the_builtin_rewards_and_names_them_on_a_typo():
     assert get_reward_function("exact_match") is exact_match_reward
-    assert get_reward_function("math_verify") is math_verify_reward
+    assert get_reward_function("math") is math_reward
+    assert get_reward_function("math_verify") is math_verify_reward is math_reward  # the old name is an alias
     assert get_reward_function("reasoning_gym") is reasoning_gym_reward
-    with pytest.raises(ValueError, match=r"unknown reward 'math_verfy'.*'exact_match', 'math_verify', 'reasoning_gym'"):
+    with pytest.raises(ValueError, match=r"unknown reward 'math_verfy'.*'exact_match', 'math', 'math_verify', 'reason"):
         get_reward_function("math_verfy")
 
 
@@ -47,28 +49,7 @@ def test_last_boxed_takes_the_last_balanced_box():
     assert last_boxed(r"\boxed{\{1,2\}}") == r"\{1,2\}"
     assert last_boxed("no box here") is None
     assert last_boxed(r"\boxed{\frac{1}{2}") is None  # cut off mid-answer
-
-
-@pytest.mark.parametrize(
-    ("response", "answer", "reward"),
-    [
-        (r"So the answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
-        (r"\boxed{0.5}", r"\frac12", 1.0),
-        (r"\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
-        (r"\boxed{2}", "3", 0.0),
-        (r"I first guessed \boxed{2} but it is \boxed{3}", "3", 1.0),
-        (r"It is \boxed{3}, not \boxed{2}", "3", 0.0),  # only the last box counts
-        ("The answer is 7.<|im_end|>", "7", 1.0),  # no box: the whole response is parsed
-        (r"\boxed{7}", r"$\boxed{7}$", 1.0),  # an already-delimited reference answer
-    ],
-)
-def test_math_verify(response, answer, reward):
-    assert math_verify_reward(response, answer, {}) == reward
-
-
-def test_math_verify_refuses_an_unparseable_reference_answer():
-    with pytest.raises(ValueError, match="cannot parse the reference answer"):
-        math_verify_reward(r"\boxed{1}", "", {})
+    assert last_boxed(r"\fbox{3} and \boxed{4}", "\\fbox") == "3"
 
 
 def test_reasoning_gym_scores_tagged_answers_and_not_raw_text():
