@@ -7,10 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from logra_rl.config import RunConfig
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -47,17 +51,23 @@ def check_overrides(arguments: list[str]) -> str | None:
     return None
 
 
-def _train(cfg: DictConfig) -> None:
+def _run_setup(cfg: DictConfig, program: str) -> tuple[RunConfig, Path, dict]:
+    """The validated config (one line and exit on a bad value), the run directory, the resolved mapping."""
     from logra_rl.config import RunConfig
-    from logra_rl.orchestration.controller import Controller
 
     try:
         config = RunConfig.from_mapping(cfg)
     except ValueError as error:
-        sys.exit(f"logra-train: {error}")
+        sys.exit(f"{program}: {error}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return config, run_dir, OmegaConf.to_container(cfg, resolve=True)
+
+
+def _train(cfg: DictConfig) -> None:
+    from logra_rl.orchestration.controller import Controller
+
+    config, run_dir, resolved = _run_setup(cfg, "logra-train")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
     try:
@@ -79,17 +89,11 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
 
 def _eval(cfg: DictConfig) -> None:
     """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
-    from logra_rl.config import RunConfig
     from logra_rl.eval.export import export_checkpoint
     from logra_rl.orchestration.controller import Controller
 
-    try:
-        config = RunConfig.from_mapping(cfg)
-    except ValueError as error:
-        sys.exit(f"logra-eval: {error}")
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    controller = Controller(config, run_dir, OmegaConf.to_container(cfg, resolve=True))
+    config, run_dir, resolved = _run_setup(cfg, "logra-eval")
+    controller = Controller(config, run_dir, resolved)
     try:
         model_path, step = None, 0
         if config.eval.checkpoint:
