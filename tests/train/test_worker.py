@@ -1,0 +1,53 @@
+"""TrainWorker set-up through Ray: only rank 0 reads the checkpoint, the other ranks build on the meta
+device and receive their shards, and the sharded model is exactly the model on disk."""
+
+import pytest
+import ray
+import torch
+from hydra import compose, initialize_config_module
+from transformers import AutoModelForCausalLM
+
+from logra_rl.config import RunConfig
+from logra_rl.orchestration.cluster import WorkerGroup, start_ray
+from logra_rl.train.batch import TrainBatch
+from logra_rl.train.worker import TrainWorker, token_logprobs
+from tests.tiny_models import random_batch, tiny_qwen3
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "lora"])
+def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
+    path = tmp_path / "model"
+    tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
+    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+        cfg = compose("config", overrides=["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"])
+    config = RunConfig.from_mapping(cfg)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    input_ids = random_batch(3, 12, seed=1)
+    batch = TrainBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        loss_mask=torch.ones(input_ids.shape),
+        rollout_logprobs=torch.zeros(input_ids.shape),
+        advantages=torch.zeros(3),
+        completed=torch.ones(3, dtype=torch.bool),
+    )
+
+    owns_ray = start_ray(config)
+    group = WorkerGroup(TrainWorker, 2, "train", cpus=1, gpus=1, arguments=lambda rank: (config, str(path), rank, 2))
+    try:
+        group.call("setup", *ray.get(group.actors[0].address.remote()))
+        state = next(s for s in group.call("full_state") if s is not None)
+        logprobs = group.call("logprobs", batch)
+    finally:
+        group.kill()
+        if owns_ray:
+            ray.shutdown()
+
+    expected = reference.state_dict()
+    assert sorted(state) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name  # LoRA: merged W + s·B·A with B = 0 is W exactly
+    with torch.no_grad():
+        want = token_logprobs(reference(input_ids=input_ids).logits, input_ids, config.rollout.temperature)
+    for got in logprobs:  # rotary frequencies (buffers, not in the state dict) reached rank 1 too
+        torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
