@@ -64,6 +64,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     resync_every: int = 50  # full weight resync every K steps (0: only at start, on resume and after a refusal)
+    resync_bucket_mb: float = 1024  # a full resync streams the fp32 master in buckets of about this size
     probe_coordinates: int = 16  # drift probe: weight coordinates compared per target each step
     eval_temperature: float = 0.7
     eval_top_p: float = 0.7
@@ -89,6 +90,7 @@ class RolloutConfig:
         for key in ("top_p", "eval_top_p"):
             _check(0 < getattr(self, key) <= 1, f"rollout.{key}", getattr(self, key), "must be in (0, 1]")
         _check(self.resync_every >= 0, "rollout.resync_every", self.resync_every, "must be >= 0")
+        _check(self.resync_bucket_mb > 0, "rollout.resync_bucket_mb", self.resync_bucket_mb, "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,7 @@ class PayloadMerger:
         self.version = version
         self.chunk_rows = chunk_rows
         self.needs_resync = False
+        self._loaded: set[str] = set()  # targets loaded since the current resync began
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -181,14 +182,30 @@ class PayloadMerger:
 
     def resync(self, master: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the trainer's HF-named master weights: W ← round(master), R ← master − W (exact for fp32 R)."""
-        missing = sorted(set(self.targets) - set(master))
-        if missing:
-            raise ValueError(f"resync is missing weights {missing[:4]}")
+        self.begin_resync()
+        self.load(master)
+        self.finish_resync(version)
+
+    def begin_resync(self) -> None:
+        """Start a full resync delivered in parts (`load` per part): payloads are refused until it finishes."""
+        self.needs_resync = True
+        self._loaded = set()
+
+    def load(self, master: Mapping[str, torch.Tensor]) -> None:
+        """Load the targets present in `master` (one part of a resync); other names are ignored."""
         with torch.no_grad():
-            for name, target in self.targets.items():
+            for name in self.targets.keys() & master.keys():
+                target = self.targets[name]
                 source = master[name][target.rows, target.cols].to(device=target.weight.device)
                 target.weight.copy_(source)
                 if target.residual is not None:
                     target.residual.copy_(source.float() - target.weight.float())
+                self._loaded.add(name)
+
+    def finish_resync(self, version: int) -> None:
+        """End the resync at `version` once every target has been loaded since `begin_resync`."""
+        missing = sorted(set(self.targets) - self._loaded)
+        if missing:
+            raise ValueError(f"resync is missing weights {missing[:4]}")
         self.version = version
         self.needs_resync = False

@@ -112,6 +112,7 @@ class Controller:
             return
         master = ray.get(self.train.actors[0].address.remote())
         self.train.call("setup", *master)
+        self.resync_buckets = self.train.call("state_buckets", int(config.rollout.resync_bucket_mb * 2**20))[0]
         self._resume()
         self.full_resync()
         self.metrics = MetricsLogger(
@@ -327,13 +328,19 @@ class Controller:
     # ---- policy sync ----------------------------------------------------------------------------
 
     def full_resync(self) -> float:
-        """Load bf16(master) (with exact residuals) into every engine; returns the bytes moved per engine."""
-        state = next(s for s in self.train.call("full_state") if s is not None)
-        reference = ray.put(state)
-        for result in self.rollout.call("load_weights", reference, self.version):
+        """Load bf16(master) (with exact residuals) into every engine; returns the bytes moved per engine.
+
+        The fp32 master streams in buckets (`rollout.resync_bucket_mb`): train rank 0 gathers one into
+        Ray's object store, the engines read it from there; no process holds the whole fp32 model.
+        """
+        count = len(self.resync_buckets)
+        for index, (keys, _) in enumerate(self.resync_buckets):
+            bucket = next(r for r in self.train.call("full_state_ref", keys) if r is not None)
+            results = self.rollout.call("load_weights", bucket, self.version, index, count)
+        for result in results:  # the last bucket's: each engine's version after the whole resync
             if result.version != self.version:
                 raise RuntimeError(f"full resync left an engine at version {result.version}, not {self.version}")
-        return float(sum(t.numel() * t.element_size() for t in state.values()))
+        return float(sum(size for _, size in self.resync_buckets))
 
     def sync(self, payloads: Sequence[bytes | None], step: int) -> dict[str, float]:
         """Apply each payload on every engine; resync fully on refusal, for dense updates, or every K steps."""

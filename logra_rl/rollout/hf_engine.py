@@ -44,6 +44,7 @@ class HFEngine:
         self.model.eval().requires_grad_(False)
         weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
         self.merger = PayloadMerger(hf_targets(weights, residual), chunk_rows=merge_chunk_rows)
+        self._resync_pending: set[str] = set()  # weights a full resync in progress has not yet sent
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
@@ -103,10 +104,23 @@ class HFEngine:
             return SyncResult(applied=False, version=self.version, reason=f"{type(error).__name__}: {error}")
         return SyncResult(applied=True, version=self.version)
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:
-        """Full resync from the trainer's fp32 master state (HF names): exact residuals, version reset."""
-        self.model.load_state_dict(state, strict=True)
-        self.merger.resync({name: state[f"{name}.weight"] for name in self.merger.targets}, version)
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
+    ) -> SyncResult:
+        """Bucket `bucket` of `buckets` of a full resync from the trainer's fp32 master state (HF names):
+        weights and exact residuals; the last bucket sets `version` once every weight has arrived."""
+        if bucket == 0:
+            self.merger.begin_resync()
+            self._resync_pending = set(self.model.state_dict())
+        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"full resync sent weights this model does not have: {unexpected[:4]}")
+        self._resync_pending -= state.keys()
+        self.merger.load({name: state[f"{name}.weight"] for name in self.merger.targets if f"{name}.weight" in state})
+        if bucket == buckets - 1:
+            if self._resync_pending:
+                raise KeyError(f"full resync ended without weights {sorted(self._resync_pending)[:4]}")
+            self.merger.finish_resync(version)
         return SyncResult(applied=True, version=self.version)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

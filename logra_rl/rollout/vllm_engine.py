@@ -92,8 +92,10 @@ class VLLMEngine:
     def apply_payload(self, payload: bytes) -> SyncResult:
         return self._sync("logra_apply", bytes(payload))
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> SyncResult:
-        return self._sync("logra_load", state, version)
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
+    ) -> SyncResult:
+        return self._sync("logra_load", state, version, bucket, buckets)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Each coordinate comes from the TP rank that holds it (replicated rows agree)."""

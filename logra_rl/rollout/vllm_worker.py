@@ -129,15 +129,20 @@ class LograWorkerExtension:
             }
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
-    def logra_load(self, state: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """Full resync from the trainer's HF-named fp32 state: every weight, then exact residuals."""
+    def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
+        """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
+        then exact residuals; the last bucket sets `version` once every target has arrived."""
+        merger = self.logra_merger
+        if bucket == 0:
+            merger.begin_resync()
         self.reload_weights(weights_iterator=iter(list(state.items())))
-        master = {name: state[f"{name}.weight"] for name in self.logra_merger.targets}
         with torch.inference_mode():
-            self.logra_merger.resync(master, version)
-        if self.logra_mode == "shadow":
-            self._logra_push_shadow()
-        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
+            merger.load({name: state[f"{name}.weight"] for name in merger.targets if f"{name}.weight" in state})
+        if bucket == buckets - 1:
+            merger.finish_resync(version)
+            if self.logra_mode == "shadow":
+                self._logra_push_shadow()
+        return {"applied": True, "version": merger.version, "reason": ""}
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them);

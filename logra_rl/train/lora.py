@@ -36,12 +36,17 @@ def lora_layers(model: PeftModel) -> dict[str, nn.Module]:
     }
 
 
+def is_adapter(key: str) -> bool:
+    """A LoRA adapter's own tensor (merged away before weights reach the engines)."""
+    return ".lora_A." in key or ".lora_B." in key
+
+
 def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """A peft model's full state dict → HF names with every adapter merged: W + scaling·B·A."""
     merged = {}
     for key, value in state.items():
         name = key.removeprefix(PEFT_PREFIX)
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter(name):
             continue
         if ".base_layer." in name:
             module = name.split(".base_layer.")[0]

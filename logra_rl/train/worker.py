@@ -8,6 +8,7 @@ The controller drives every worker of the group in lock-step (each call is a col
 from __future__ import annotations
 
 import os
+import re
 import resource
 import socket
 from pathlib import Path
@@ -35,7 +36,7 @@ from logra_rl.config import RunConfig
 from logra_rl.logra.optimizer import local_rows
 from logra_rl.rl import policy_gradient_loss
 from logra_rl.train.batch import TrainBatch
-from logra_rl.train.lora import add_lora, lora_layers, merged_state
+from logra_rl.train.lora import add_lora, is_adapter, lora_layers, merged_state
 from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
 
 GIB = 2**30
@@ -49,6 +50,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name, 0) if name == "cuda" else torch.device(name)
 
 
+LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
 LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
 
 
@@ -238,17 +240,46 @@ class TrainWorker:
             self.model.train()
         return metrics, payload
 
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The full fp32 state dict on rank 0 (CPU), None elsewhere: the source of a full resync."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+    def state_buckets(self, max_bytes: int) -> list[tuple[list[str], int]]:
+        """The state dict's keys in buckets of about `max_bytes`, with the bytes each sends to an engine.
+
+        The buckets of a full resync. A decoder layer is never split, so a LoRA module travels with
+        its adapters; a larger group (an embedding) is a bucket of its own.
+        """
+        groups: dict[str, list[str]] = {}
+        state = get_model_state_dict(self.model)
+        for key in state:
+            layer = LAYER_KEY.match(key)
+            groups.setdefault(layer.group(1) if layer else key.split(".base_layer.")[0], []).append(key)
+        buckets: list[tuple[list[str], int]] = []
+        for keys in groups.values():
+            sent = sum(state[k].numel() * state[k].element_size() for k in keys if not is_adapter(k))
+            if buckets and buckets[-1][1] + sent <= max_bytes:
+                buckets[-1] = (buckets[-1][0] + keys, buckets[-1][1] + sent)
+            else:
+                buckets.append((keys, sent))
+        return buckets
+
+    def full_state(self, keys: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """The full fp32 values of `keys` (default: the whole state dict) on rank 0's CPU, under HF names
+        with LoRA merged; None on the other ranks. A collective: every rank must ask for the same keys."""
+        state = get_model_state_dict(self.model)
+        full = {}
+        for key in keys if keys is not None else list(state):
+            value = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
+            if self.rank == 0:
+                full[key] = value.detach().to("cpu", copy=True)
         if self.rank != 0:
             return None
-        return (
-            merged_state(state, self.config.optimizer.lora_alpha / self.config.optimizer.lora_rank)
-            if self.lora
-            else state
-        )
+        if self.lora:
+            full = merged_state(full, self.config.optimizer.lora_alpha / self.config.optimizer.lora_rank)
+        return full
+
+    def full_state_ref(self, keys: list[str]) -> ray.ObjectRef | None:
+        """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere): the driver
+        passes the reference on to the engines and never holds the weights itself."""
+        state = self.full_state(keys)
+        return ray.put(state) if state is not None else None
 
     def weights_at(
         self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]

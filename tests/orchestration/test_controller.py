@@ -114,9 +114,11 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     """optimizer=lora: peft adapters under FSDP2; the engines get W + s·B·A, equal to the trainer's merged view."""
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
     overrides += ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
+    overrides += ["rollout.resync_bucket_mb=0.05"]  # ~50 kB: the merged weights stream in several buckets
     controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
     controller.setup()
     try:
+        assert len(controller.resync_buckets) > 2
         history = [controller.step(step) for step in range(2)]
         master = next(s for s in controller.train.call("full_state") if s is not None)
     finally:

@@ -71,3 +71,30 @@ def test_full_resync_resets_version_and_weights(quickstart_model):
     assert result.applied and engine.version == 7
     for name, weight in engine.model.state_dict().items():
         assert torch.equal(weight, master[name].to(torch.bfloat16)), name
+
+
+def test_resync_in_buckets_sets_the_version_only_when_every_weight_arrived(quickstart_model):
+    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
+    master = {k: v + 0.01 for k, v in master.items()}
+    keys = list(master)
+    buckets = [keys[i : i + 5] for i in range(0, len(keys), 5)]
+    for index, bucket in enumerate(buckets[:-1]):
+        assert engine.load_weights({k: master[k] for k in bucket}, 4, index, len(buckets)).version == 0
+        assert engine.merger.needs_resync  # half-loaded weights take no payload
+    assert engine.load_weights({k: master[k] for k in buckets[-1]}, 4, len(buckets) - 1, len(buckets)).version == 4
+    assert not engine.merger.needs_resync
+    for name, weight in engine.model.state_dict().items():
+        assert torch.equal(weight, master[name].to(torch.bfloat16)), name
+    for name, target in engine.merger.targets.items():  # exact residuals: W + R is the fp32 master
+        assert torch.equal(target.weight.float() + target.residual, master[f"{name}.weight"]), name
+
+    engine.load_weights({k: master[k] for k in buckets[0]}, 5, 0, 2)
+    try:
+        engine.load_weights({k: master[k] for k in buckets[2]}, 5, 1, 2)  # bucket 1 never sent
+    except KeyError as error:
+        first_missing = sorted(set(keys) - set(buckets[0]) - set(buckets[2]))[0]
+        assert "full resync ended without weights" in str(error) and first_missing in str(error)
+    else:
+        raise AssertionError("a resync with a missing bucket finished")
+    assert engine.version == 4 and engine.merger.needs_resync

@@ -25,6 +25,7 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
             "model=hf",
             f"model.path={quickstart_model}",
             "rollout=vllm",
+            "rollout.resync_bucket_mb=0.05",  # full resyncs reach vLLM in several partial reloads
             "trainer.prompts_per_step=16",
             "logger.progress=false",
         ]
@@ -32,6 +33,7 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
     controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
     controller.setup()
     try:
+        assert len(controller.resync_buckets) > 2
         history = [controller.step(step) for step in range(3)]
         prompts = controller.sampler.next_batch(16)
         completions = controller.generate(prompts, controller.sampling(), seed=5)

@@ -19,7 +19,8 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     path = tmp_path / "model"
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
     with initialize_config_module(config_module="logra_rl.configs", version_base=None):
-        cfg = compose("config", overrides=["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"])
+        overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
+        cfg = compose("config", overrides=overrides)
     config = RunConfig.from_mapping(cfg)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     input_ids = random_batch(3, 12, seed=1)
@@ -38,6 +39,8 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         group.call("setup", *ray.get(group.actors[0].address.remote()))
         state = next(s for s in group.call("full_state") if s is not None)
         logprobs = group.call("logprobs", batch)
+        buckets = group.call("state_buckets", 100_000)[0]  # a layer here is ~200 kB: one per bucket
+        parts = [next(s for s in group.call("full_state", keys) if s is not None) for keys, _ in buckets]
     finally:
         group.kill()
         if owns_ray:
@@ -49,5 +52,13 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         assert torch.equal(state[name], value), name  # LoRA: merged W + s·B·A with B = 0 is W exactly
     with torch.no_grad():
         want = token_logprobs(reference(input_ids=input_ids).logits, input_ids, config.rollout.temperature)
+    # a full resync's buckets: every weight once, a layer (a LoRA module with its adapters) never split
+    assert len(buckets) >= 4
+    layers = [{k.split(".layers.")[1].split(".")[0] for k in keys if ".layers." in k} for keys, _ in buckets]
+    assert all(len(numbers) <= 1 for numbers in layers) and len(set().union(*layers)) == 2
+    joined = {k: v for part in parts for k, v in part.items()}
+    assert sum(len(part) for part in parts) == len(joined) == len(state)
+    assert all(torch.equal(joined[name], value) for name, value in state.items())
+    assert [size for _, size in buckets] == [sum(v.numel() * 4 for v in part.values()) for part in parts]
     for got in logprobs:  # rotary frequencies (buffers, not in the state dict) reached rank 1 too
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
