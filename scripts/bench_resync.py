@@ -1,0 +1,148 @@
+"""Host memory and time of a full resync (trainer fp32 master → rollout engines) by bucket size.
+
+    .venv/bin/python scripts/bench_resync.py [--layers 24] [--hidden 1024] [--out bench_results/resync_bench.json]
+
+Runs the real Controller through Ray on CPU: 2 FSDP2 train workers, 1 HF engine, a Qwen3-shaped
+model (24 layers of hidden 1024 by default: 167M parameters, 0.67 GB in fp32). For each
+`rollout.resync_bucket_mb` it resets every process's peak RSS (Linux `clear_refs`), runs full
+resyncs, and reports how far each process's peak rose above its resident size before the resync,
+plus the seconds per resync and the drift after it (0: the engine holds bf16(master) exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from hydra import compose, initialize_config_module
+from rich.console import Console
+from rich.table import Table
+
+from logra_rl.config import RunConfig
+from logra_rl.data import quickstart
+from logra_rl.models.tiny import char_tokenizer, tiny_model
+from logra_rl.orchestration.controller import Controller
+
+GIB = 2**30
+
+
+def ray_processes(class_name: str) -> list[psutil.Process]:
+    """Ray names an actor's process `ray::<Class>` (or `ray::<Class>.<method>` while it runs one)."""
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(f"ray::{class_name}")
+    ]
+
+
+def reset_peak(process: psutil.Process) -> int:
+    """Reset the process's peak RSS to its current RSS (Linux: `echo 5 > /proc/PID/clear_refs`); returns it."""
+    Path(f"/proc/{process.pid}/clear_refs").write_text("5")
+    return process.memory_info().rss
+
+
+def peak_rss(process: psutil.Process) -> int:
+    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {process.pid}")
+
+
+def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]:
+    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+        cfg = compose(
+            "config",
+            overrides=[
+                "model=hf",
+                f"model.path={model_dir}",
+                f"rollout.resync_bucket_mb={bucket_mb}",
+                "logger.progress=false",
+            ],
+        )
+    with tempfile.TemporaryDirectory() as run_dir:
+        controller = Controller(RunConfig.from_mapping(cfg), Path(run_dir), {})
+        controller.setup()
+        try:
+            processes = {"train": ray_processes("TrainWorker"), "engine": ray_processes("HFEngine")}
+            processes["driver"] = [psutil.Process()]
+            before = {role: [reset_peak(p) for p in procs] for role, procs in processes.items()}
+            start = time.perf_counter()
+            for _ in range(repeats):
+                moved = controller.full_resync()
+            seconds = (time.perf_counter() - start) / repeats
+            drift = controller.drift(step=0)
+            rise = {
+                role: max(peak_rss(p) - b for p, b in zip(procs, before[role], strict=True))
+                for role, procs in processes.items()
+            }
+            buckets = len(controller.resync_buckets)
+        finally:
+            controller.teardown()
+    return {
+        "bucket_mb": bucket_mb,
+        "buckets": buckets,
+        "fp32_gib": moved / GIB,
+        "seconds": seconds,
+        "train_rise_gib": rise["train"] / GIB,
+        "engine_rise_gib": rise["engine"] / GIB,
+        "driver_rise_gib": rise["driver"] / GIB,
+        "drift": drift,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--buckets-mb", type=float, nargs="+", default=[4096, 256, 64])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/resync_bench.json"))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir = Path(directory) / "model"
+        tokenizer = char_tokenizer(quickstart.ALPHABET)
+        model = tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers)
+        parameters = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        del model
+        rows = [measure(model_dir, bucket_mb, args.repeats) for bucket_mb in args.buckets_mb]
+
+    table = Table(
+        title=f"full resync, {parameters / 1e6:.0f}M-param Qwen3 ({args.layers} layers): peak RSS rise in GiB"
+    )
+    for column in (
+        "bucket MB",
+        "buckets",
+        "fp32 GiB",
+        "s/resync",
+        "Δpeak train",
+        "Δpeak engine",
+        "Δpeak driver",
+        "drift",
+    ):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r['bucket_mb']:g}",
+            str(r["buckets"]),
+            f"{r['fp32_gib']:.2f}",
+            f"{r['seconds']:.2f}",
+            f"{r['train_rise_gib']:.3f}",
+            f"{r['engine_rise_gib']:.3f}",
+            f"{r['driver_rise_gib']:.3f}",
+            f"{r['drift']:g}",
+        )
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"parameters": parameters, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=2)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
