@@ -70,6 +70,7 @@ def _train(cfg: DictConfig) -> None:
     config, run_dir, resolved = _run_setup(cfg, "logra-train")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
+    print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
     try:
         Controller(config, run_dir, resolved).run()
     except Exception as error:
