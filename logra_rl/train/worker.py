@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
 from logra_rl.logra.optimizer import local_rows
@@ -110,7 +111,7 @@ class TrainWorker:
         self.model.train()
         return self.memory()
 
-    def _build(self, constructor, source) -> torch.nn.Module:
+    def _build(self, constructor: Callable[..., torch.nn.Module], source: str | PretrainedConfig) -> torch.nn.Module:
         """The fp32 model as trained: checkpointing, trainable parameters, LoRA adapters (seeded)."""
         model_config = self.config.model
         model = constructor(source, dtype=torch.float32, attn_implementation=model_config.attn_implementation)
