@@ -333,10 +333,11 @@ class Controller:
         The fp32 master streams in buckets (`rollout.resync_bucket_mb`): train rank 0 gathers one into
         Ray's object store, the engines read it from there; no process holds the whole fp32 model.
         """
-        count = len(self.resync_buckets)
+        count, results = len(self.resync_buckets), []
         for index, (keys, _) in enumerate(self.resync_buckets):
             bucket = next(r for r in self.train.call("full_state_ref", keys) if r is not None)
             results = self.rollout.call("load_weights", bucket, self.version, index, count)
+            del bucket  # frees it in the object store before the next one is gathered
         for result in results:  # the last bucket's: each engine's version after the whole resync
             if result.version != self.version:
                 raise RuntimeError(f"full resync left an engine at version {result.version}, not {self.version}")

@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
-from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
+from logra_rl.rollout.base import BucketedResync, Completion, SamplingParams, SyncResult
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
 
@@ -44,7 +44,7 @@ class HFEngine:
         self.model.eval().requires_grad_(False)
         weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
         self.merger = PayloadMerger(hf_targets(weights, residual), chunk_rows=merge_chunk_rows)
-        self._resync_pending: set[str] = set()  # weights a full resync in progress has not yet sent
+        self.resync = BucketedResync(self.merger, self.model.state_dict())
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
@@ -109,18 +109,10 @@ class HFEngine:
     ) -> SyncResult:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's fp32 master state (HF names):
         weights and exact residuals; the last bucket sets `version` once every weight has arrived."""
-        if bucket == 0:
-            self.merger.begin_resync()
-            self._resync_pending = set(self.model.state_dict())
         unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"full resync sent weights this model does not have: {unexpected[:4]}")
-        self._resync_pending -= state.keys()
-        self.merger.load({name: state[f"{name}.weight"] for name in self.merger.targets if f"{name}.weight" in state})
-        if bucket == buckets - 1:
-            if self._resync_pending:
-                raise KeyError(f"full resync ended without weights {sorted(self._resync_pending)[:4]}")
-            self.merger.finish_resync(version)
+        self.resync.receive(state, version, bucket, buckets)
         return SyncResult(applied=True, version=self.version)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

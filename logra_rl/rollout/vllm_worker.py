@@ -31,6 +31,7 @@ from logra_rl.logra import (
     hf_targets,
 )
 from logra_rl.logra.merge import RESIDUAL_DTYPES
+from logra_rl.rollout.base import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class LograWorkerExtension:
                 self.logra_mode, targets, self.logra_refusal = "resync", {}, str(refusal)
                 logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
+        self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict())
         return {"mode": self.logra_mode, "targets": len(targets), "refusal": self.logra_refusal}
 
     def logra_apply(self, payload: bytes) -> dict[str, Any]:
@@ -131,18 +133,13 @@ class LograWorkerExtension:
 
     def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
-        then exact residuals; the last bucket sets `version` once every target has arrived."""
-        merger = self.logra_merger
-        if bucket == 0:
-            merger.begin_resync()
+        then exact residuals; the last bucket sets `version` once every weight has arrived."""
         self.reload_weights(weights_iterator=iter(list(state.items())))
         with torch.inference_mode():
-            merger.load({name: state[f"{name}.weight"] for name in merger.targets if f"{name}.weight" in state})
-        if bucket == buckets - 1:
-            merger.finish_resync(version)
-            if self.logra_mode == "shadow":
-                self._logra_push_shadow()
-        return {"applied": True, "version": merger.version, "reason": ""}
+            self.logra_resync.receive(state, version, bucket, buckets)
+        if bucket == buckets - 1 and self.logra_mode == "shadow":
+            self._logra_push_shadow()
+        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them);

@@ -12,6 +12,7 @@ import re
 import resource
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -52,6 +53,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
+ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts of one LoRA-wrapped module
+# Rank 0 reads the whole checkpoint while the other ranks wait in the first broadcast: allow for a
+# 27B fp32 load from slow storage (NCCL's default is 10 minutes).
+PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
 LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
 
 
@@ -92,7 +97,7 @@ class TrainWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         loaded = None
         if self.rank == 0:
             loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
@@ -251,7 +256,7 @@ class TrainWorker:
         state = get_model_state_dict(self.model)
         for key in state:
             layer = LAYER_KEY.match(key)
-            groups.setdefault(layer.group(1) if layer else key.split(".base_layer.")[0], []).append(key)
+            groups.setdefault(layer.group(1) if layer else ADAPTER_PART.sub("", key), []).append(key)
         buckets: list[tuple[list[str], int]] = []
         for keys in groups.values():
             sent = sum(state[k].numel() * state[k].element_size() for k in keys if not is_adapter(k))

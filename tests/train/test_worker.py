@@ -20,6 +20,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
     with initialize_config_module(config_module="logra_rl.configs", version_base=None):
         overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
+        overrides += ["optimizer.lora_targets=[q_proj,v_proj,lm_head]"]  # one adapted module outside the layers
         cfg = compose("config", overrides=overrides)
     config = RunConfig.from_mapping(cfg)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -39,7 +40,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         group.call("setup", *ray.get(group.actors[0].address.remote()))
         state = next(s for s in group.call("full_state") if s is not None)
         logprobs = group.call("logprobs", batch)
-        buckets = group.call("state_buckets", 100_000)[0]  # a layer here is ~200 kB: one per bucket
+        buckets = group.call("state_buckets", 20_000)[0]  # smaller than a layer (~200 kB) or lm_head (26 kB)
         parts = [next(s for s in group.call("full_state", keys) if s is not None) for keys, _ in buckets]
     finally:
         group.kill()
