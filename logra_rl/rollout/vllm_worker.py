@@ -134,7 +134,7 @@ class LograWorkerExtension:
     def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
         then exact residuals; the last bucket sets `version` once every weight has arrived."""
-        self.reload_weights(weights_iterator=iter(list(state.items())))
+        self._logra_reload(list(state.items()))
         with torch.inference_mode():
             self.logra_resync.receive(state, version, bucket, buckets)
         if bucket == buckets - 1 and self.logra_mode == "shadow":
@@ -163,7 +163,24 @@ class LograWorkerExtension:
     def _logra_push_shadow(self) -> None:
         """Shadow mode: reload the merged HF-layout targets into vLLM's (repacked) layers."""
         weights = [(f"{name}.weight", weight) for name, weight in self.logra_merger.weights.items()]
-        self.reload_weights(weights_iterator=iter(weights))
+        self._logra_reload(weights)
+
+    def _logra_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """`reload_weights` with some of the model's weights (one resync bucket, or the shadow targets).
+
+        vLLM warns "Failed to load weights" for every layer a reload leaves out and keeps its tensors;
+        here that is by design (BucketedResync checks that every weight arrives), so the warning is muted.
+        """
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addFilter(_not_a_partial_reload_warning)
+        try:
+            self.reload_weights(weights_iterator=iter(weights))
+        finally:
+            layerwise.removeFilter(_not_a_partial_reload_warning)
+
+
+def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
+    return "Failed to load weights" not in record.getMessage()
 
 
 def _weights_are_packed(model: torch.nn.Module) -> bool:
