@@ -19,7 +19,6 @@ import datetime as dt
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from logra_rl.logra import (
     projection_fingerprint,
     projection_seed,
 )
+from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
 
 SECTIONS = ("memory", "time", "payload", "apply", "drift")
 MEMORY_TARGET = 0.40  # LoGRA peak RSS / dense peak RSS
@@ -140,16 +140,6 @@ def layer_targets(model: nn.Module) -> list[Target]:
 
 
 # ---- small utilities -----------------------------------------------------------------------
-
-
-def rss_bytes() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """Whole-process peak RSS from the kernel (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class RssSampler(threading.Thread):

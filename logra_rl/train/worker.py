@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import socket
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import ray
 import torch
 import torch.distributed as dist
@@ -40,6 +38,7 @@ from logra_rl.rl import policy_gradient_loss
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import add_lora, is_adapter, lora_layers, merged_state
 from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
+from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
 
 GIB = 2**30
 
@@ -339,8 +338,7 @@ class TrainWorker:
                 "current_gib": torch.cuda.memory_allocated(self.device) / GIB,
                 "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
             }
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"current_gib": psutil.Process().memory_info().rss / GIB, "peak_gib": peak_kib * 1024 / GIB}
+        return {"current_gib": rss_bytes() / GIB, "peak_gib": peak_rss_bytes() / GIB}
 
     def shutdown(self) -> None:
         if dist.is_initialized():
