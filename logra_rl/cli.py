@@ -68,6 +68,7 @@ def _train(cfg: DictConfig) -> None:
     from logra_rl.orchestration.controller import Controller
 
     config, run_dir, resolved = _run_setup(cfg, "logra-train")
+    _check_resume(run_dir, resolved, config.trainer.resume)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
     print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
@@ -75,6 +76,21 @@ def _train(cfg: DictConfig) -> None:
         Controller(config, run_dir, resolved).run()
     except Exception as error:
         _exit_with_one_line(error)
+
+
+def _check_resume(run_dir: Path, resolved: dict, resume: str) -> None:
+    """Refuse to auto-resume a run directory whose checkpoints were made with another configuration."""
+    from logra_rl.utils.checkpoint import resume_conflicts
+
+    saved = run_dir / "config.yaml"
+    if resume != "auto" or not (run_dir / "checkpoints" / "latest").exists() or not saved.exists():
+        return
+    conflicts = resume_conflicts(OmegaConf.to_container(OmegaConf.load(saved)), resolved)
+    if conflicts:
+        sys.exit(
+            f"logra-train: {run_dir} holds a run made with other settings ({'; '.join(conflicts[:4])}); start a "
+            "new run with trainer.run_name=NAME, or continue from its weights with trainer.resume=<checkpoint dir>"
+        )
 
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError)

@@ -86,6 +86,12 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
     assert process.returncode == -signal.SIGKILL
     assert (run_dir / "checkpoints/step_3/controller.json").exists()
 
+    # relaunching it with other settings is refused before anything starts, leaving the run as it was
+    saved = (run_dir / "config.yaml").read_text()
+    result = logra_train(*common, "trainer.total_steps=6", "trainer.run_name=killed", "logra.rank=8", cwd=tmp_path)
+    assert result.returncode != 0 and "holds a run made with other settings (logra.rank: 32 → 8)" in result.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+
     result = logra_train(*common, "trainer.total_steps=6", "trainer.run_name=killed", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout

@@ -9,8 +9,53 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+# What a resumed run may change: its length, logging, cluster shape, eval and sync cadence, grading
+# resources. Everything else (model, data, algorithm, optimizer, LoGRA, sampling, seed, batch) must match.
+RESUME_MAY_CHANGE = (
+    "logger.",
+    "ray.",
+    "cluster.",
+    "eval.",
+    "trainer.total_steps",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.resume",
+    "trainer.micro_batch_tokens",
+    "trainer.grader_workers",
+    "trainer.grader_timeout_s",
+    "trainer.output_dir",
+    "rollout.num_engines",
+    "rollout.gpus_per_engine",
+    "rollout.gpu_memory_utilization",
+    "rollout.resync_every",
+    "rollout.resync_bucket_mb",
+    "rollout.probe_coordinates",
+)
+
+
+def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE)."""
+    old, new = _flatten(saved), _flatten(current)
+    return [
+        f"{key}: {old.get(key)!r} → {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and not key.startswith(RESUME_MAY_CHANGE)
+    ]
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class Checkpoints:

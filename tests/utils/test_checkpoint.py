@@ -18,3 +18,15 @@ def test_atomic_commit_latest_pointer_and_pruning(tmp_path):
     checkpoints.begin(40)  # the next save clears the partial one
     assert [p.name for p in (tmp_path / "checkpoints").glob("*.tmp")] == ["step_40.tmp"]
     assert not (partial / "weights").exists()
+
+
+def test_resume_conflicts_name_the_settings_a_resume_may_not_change():
+    from logra_rl.utils.checkpoint import resume_conflicts
+
+    saved = {"logra": {"rank": 256, "kl": {"budget": 2e-4}}, "trainer": {"total_steps": 200, "seed": 1}}
+    longer = {"logra": {"rank": 256, "kl": {"budget": 2e-4}}, "trainer": {"total_steps": 400, "seed": 1}}
+    other = {"logra": {"rank": 64, "kl": {"budget": 2e-4}}, "trainer": {"total_steps": 200, "seed": 2}}
+    assert resume_conflicts(saved, longer) == []
+    assert resume_conflicts(saved, other) == ["logra.rank: 256 → 64", "trainer.seed: 1 → 2"]
+    assert resume_conflicts(saved, {**saved, "eval": {"checkpoint": "x"}}) == []
+    assert resume_conflicts(saved, {**saved, "data": {"name": "math"}}) == ["data.name: None → 'math'"]
