@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.rollout.base import BucketedResync, Completion, SamplingParams, SyncResult
+from logra_rl.utils.state_dict import tied_duplicates
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
 
@@ -44,7 +45,7 @@ class HFEngine:
         self.model.eval().requires_grad_(False)
         weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
         self.merger = PayloadMerger(hf_targets(weights, residual), chunk_rows=merge_chunk_rows)
-        self.resync = BucketedResync(self.merger, self.model.state_dict())
+        self.resync = BucketedResync(self.merger, self.model.state_dict().keys() - tied_duplicates(self.model))
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]

@@ -33,6 +33,7 @@ from logra_rl.logra import (
 from logra_rl.logra.merge import RESIDUAL_DTYPES
 from logra_rl.rollout.base import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
+from logra_rl.utils.state_dict import tied_duplicates
 
 logger = logging.getLogger(__name__)
 SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
@@ -112,7 +113,7 @@ class LograWorkerExtension:
                 self.logra_mode, targets, self.logra_refusal = "resync", {}, str(refusal)
                 logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
-        self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict())
+        self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict().keys() - tied_duplicates(twin))
         return {"mode": self.logra_mode, "targets": len(targets), "refusal": self.logra_refusal}
 
     def logra_apply(self, payload: bytes) -> dict[str, Any]:

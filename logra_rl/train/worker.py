@@ -39,6 +39,7 @@ from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import add_lora, is_adapter, lora_layers, merged_state
 from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
 from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
+from logra_rl.utils.state_dict import tied_duplicates
 
 GIB = 2**30
 
@@ -249,11 +250,12 @@ class TrainWorker:
         """The state dict's keys in buckets of about `max_bytes`, with the bytes each sends to an engine.
 
         The buckets of a full resync. A decoder layer is never split, so a LoRA module travels with
-        its adapters; a larger group (an embedding) is a bucket of its own.
+        its adapters; a larger group (an embedding) is a bucket of its own; a tied weight goes once.
         """
         groups: dict[str, list[str]] = {}
         state = get_model_state_dict(self.model)
-        for key in state:
+        tied = tied_duplicates(self.model)
+        for key in (k for k in state if k not in tied):
             layer = LAYER_KEY.match(key)
             groups.setdefault(layer.group(1) if layer else ADAPTER_PART.sub("", key), []).append(key)
         buckets: list[tuple[list[str], int]] = []

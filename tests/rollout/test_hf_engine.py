@@ -98,3 +98,19 @@ def test_resync_in_buckets_sets_the_version_only_when_every_weight_arrived(quick
     else:
         raise AssertionError("a resync with a missing bucket finished")
     assert engine.version == 4 and engine.merger.needs_resync
+
+
+def test_resync_of_a_tied_model_sends_the_shared_embedding_once(tmp_path):
+    from logra_rl.models.tiny import char_tokenizer, tiny_model
+
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = HFEngine(str(tmp_path), "bfloat16", "float32", TARGETS)
+    master = {k: v + 0.01 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+    assert engine.load_weights(master, version=2).version == 2
+    assert torch.equal(engine.model.lm_head.weight, master["model.embed_tokens.weight"].to(torch.bfloat16))
