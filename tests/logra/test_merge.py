@@ -171,3 +171,24 @@ def test_a_shard_merges_its_rows_in_the_same_chunks_as_the_full_weight():
     merge_low_rank_(shards[0], factor[:150], projection, chunk_rows=64, row_offset=0)
     merge_low_rank_(shards[1], factor[150:], projection, chunk_rows=64, row_offset=150)
     assert torch.equal(torch.cat(shards), expected)
+
+
+def test_resync_in_parts_refuses_payloads_until_every_target_arrived():
+    trainer = Trainer()
+    merger = rollout_copy(trainer.master(), "float32")
+    payload = trainer.step()
+    master = trainer.master()
+    names = list(master)
+    merger.begin_resync()
+    merger.load({name: master[name] for name in names[:3]})
+    with pytest.raises(PayloadRefused, match="full resync"):
+        merger.apply(payload)
+    with pytest.raises(ValueError, match="resync is missing weights"):
+        merger.finish_resync(version=1)
+    assert merger.version == 0 and merger.needs_resync
+    merger.load({name: master[name] for name in names[3:]})
+    merger.finish_resync(version=1)
+    assert merger.version == 1 and not merger.needs_resync
+    for name, target in merger.targets.items():
+        assert torch.equal(target.weight, master[name].to(torch.bfloat16)), name
+        assert torch.equal(target.weight.float() + target.residual, master[name]), name
