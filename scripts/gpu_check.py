@@ -10,6 +10,9 @@
 3. Peak memory of one full training step, dense AdamW vs LoGRA (r = 64, 256), on a
    Qwen2.5-1.5B-shaped model (fp32 masters, bf16 autocast, activation checkpointing).
 4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual).
+5. TrainWorker set-up on the device: rank-0 load, meta-device build, FSDP2, broadcast of the
+   shards and buffers; its full state (and its resync buckets) must equal the checkpoint exactly,
+   and its log-probs (bf16 compute) must match a plain fp32 model's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,10 +222,11 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = False
+    small = SHAPES["small"]
+    worker = train_worker_setup(device, small if args.small else SHAPES["qwen2.5-1.5b"])  # its own process group
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    small = SHAPES["small"]
     memory_shape, apply_shape = (small, small) if args.small else (SHAPES["qwen2.5-1.5b"], SHAPES["qwen2.5-7b"])
     tokens = 256 if args.small else 2048
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
@@ -232,6 +237,8 @@ def main() -> None:
         rows.append((name, f"{value:.4g}" if isinstance(value, float) else str(value), unit))
         print(f"{name:<40} {rows[-1][1]:>12} {unit}", flush=True)
 
+    for key, value in worker.items():
+        record(key, value, "s" if key.endswith("_s") else "")
     record("fsdp_backend", dist.get_backend())
     record("sketch_rel_error_bf16", sketch_vs_dense(device, small, 512))
     record("fsdp_logra_step_s", fsdp_step(device, small, 512), "s")
@@ -268,6 +275,52 @@ def fsdp_step(device: torch.device, shape: dict, tokens: int) -> float:
     opt.commit(1.0)
     sync(device)
     return time.perf_counter() - start
+
+
+def train_worker_setup(device: torch.device, shape: dict) -> dict:
+    """The trainer's own set-up path (TrainWorker, 1 rank) on a 2-layer model of `shape`."""
+    from hydra import compose, initialize_config_module
+
+    from logra_rl.config import RunConfig
+    from logra_rl.train.batch import TrainBatch
+    from logra_rl.train.worker import TrainWorker, token_logprobs
+
+    torch.manual_seed(3)
+    reference = model_of(shape, layers=2)
+    with tempfile.TemporaryDirectory() as directory:
+        reference.save_pretrained(directory)
+        overrides = ["model=hf", f"model.path={directory}", f"cluster.device={device.type}"]
+        with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+            config = RunConfig.from_mapping(compose("config", overrides=overrides))
+        worker = TrainWorker(config, directory, rank=0, world_size=1)
+        start = time.perf_counter()
+        worker.setup("127.0.0.1", 29532)
+        setup_s = time.perf_counter() - start
+        try:
+            state = worker.full_state()
+            buckets = worker.state_buckets(64 * 2**20)
+            parts = {k: v for keys, _ in buckets for k, v in worker.full_state(keys).items()}
+            ids = torch.randint(0, shape["vocab_size"], (2, 128))
+            batch = TrainBatch(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                loss_mask=torch.ones(ids.shape),
+                rollout_logprobs=torch.zeros(ids.shape),
+                advantages=torch.zeros(2),
+                completed=torch.ones(2, dtype=torch.bool),
+            )
+            got = worker.logprobs(batch)[:, 1:]
+        finally:
+            worker.shutdown()
+    expected = reference.state_dict()
+    with torch.no_grad():
+        want = token_logprobs(reference(input_ids=ids).logits, ids, config.rollout.temperature)
+    return {
+        "worker_setup_s": setup_s,
+        "worker_state_exact": all(torch.equal(state[k], v) for k, v in expected.items()),
+        "worker_buckets_exact": all(torch.equal(parts[k], v) for k, v in expected.items()),
+        "worker_logprob_max_abs_diff": float((got - want).abs().max()),
+    }
 
 
 if __name__ == "__main__":
