@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def _train(cfg: DictConfig) -> None:
     _check_resume(run_dir, resolved, config.trainer.resume)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
-    print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
+    if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
+        print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
     try:
         Controller(config, run_dir, resolved).run()
     except Exception as error:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 LOGRA_TRAIN = str(Path(sys.executable).parent / "logra-train")
 VOLATILE = ("timing_s/", "perf/", "memory/")  # wall-clock and process-size metrics differ between runs
@@ -50,6 +51,18 @@ def test_print_resolved_config(tmp_path):
     result = logra_train("--cfg", "job", "logra.rank=16", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "rank: 16" in result.stdout and "experiment: quickstart" in result.stdout
+
+
+def test_a_sweep_writes_one_run_directory_per_job(tmp_path, quickstart_model):
+    sweep = ["-m", "trainer.seed=1,2", "trainer.run_name=sweep", "trainer.total_steps=1", "trainer.eval_every=0"]
+    common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    result = logra_train(*sweep, *common, "logger.plot=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "outputs/quickstart").iterdir() if p.is_dir())
+    assert runs == ["sweep_0", "sweep_1"]
+    seeds = [yaml.safe_load((tmp_path / "outputs/quickstart" / r / "config.yaml").read_text()) for r in runs]
+    assert [s["trainer"]["seed"] for s in seeds] == [1, 2]
+    assert all(metrics(tmp_path / "outputs/quickstart" / r)[-1]["step"] == 1 for r in runs)
 
 
 def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
