@@ -142,6 +142,8 @@ def _entry(app, name: str) -> None:
     problem = check_overrides(sys.argv[1:])
     if problem:
         sys.exit(f"{name}: {problem}")
+    if not any(argument.startswith("hydra.job.name=") for argument in sys.argv[1:]):
+        sys.argv.append(f"hydra.job.name={name}")  # names the help text and the run's log file
     app()
 
 

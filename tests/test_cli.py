@@ -47,6 +47,13 @@ def test_bad_config_fails_fast_with_one_clear_line(tmp_path, args, message):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
 
 
+def test_help_names_the_program_and_lists_the_options(tmp_path):
+    result = logra_train("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("logra-train: RL post-training of LLMs with LoGRA")
+    assert "optimizer: dense, logra, lora" in result.stdout and "reasoning_gym_hard_27b" in result.stdout
+
+
 def test_print_resolved_config(tmp_path):
     result = logra_train("--cfg", "job", "logra.rank=16", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
