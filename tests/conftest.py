@@ -6,7 +6,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach the hub, whatever the shell says
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
