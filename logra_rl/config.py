@@ -15,6 +15,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from logra_rl.data import DataConfig
 from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
+from logra_rl.logra.merge import RESIDUAL_DTYPES
 from logra_rl.utils.structs import from_mapping
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -82,9 +83,7 @@ class RolloutConfig:
         for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
             _positive_int(f"rollout.{key}", getattr(self, key))
         _check(self.dtype in DTYPES, "rollout.dtype", self.dtype, f"one of {DTYPES}")
-        _check(
-            self.residual in ("float32", "bfloat16", "none"), "rollout.residual", self.residual, "float32|bfloat16|none"
-        )
+        _check(self.residual in RESIDUAL_DTYPES, "rollout.residual", self.residual, "float32|bfloat16|none")
         for key in ("temperature", "eval_temperature"):
             _check(getattr(self, key) > 0, f"rollout.{key}", getattr(self, key), "must be > 0")
         for key in ("top_p", "eval_top_p"):
@@ -127,6 +126,11 @@ class OptimizerConfig:
             self.warmup_steps,
             "0 <= warmup < schedule_steps",
         )
+
+    @property
+    def lora_scaling(self) -> float:
+        """peft's adapter scale: the merged weight is W + lora_scaling·B·A."""
+        return self.lora_alpha / self.lora_rank
 
 
 @dataclass(frozen=True)

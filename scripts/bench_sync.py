@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from logra_rl.data import quickstart
 from logra_rl.logra import (
     LoGRAConfig,
     LoGRAOptimizer,
@@ -109,12 +110,11 @@ def quickstart_case() -> dict:
         path = build_quickstart_model(Path(directory) / "model")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
+    examples = [quickstart.example(a, reward="exact_match") for a in range(10)]
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": f"{a}+1=?"}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        + tokenizer.convert_tokens_to_ids([str((a + 1) % 10)])
-        for a in range(10)
+        tokenizer.apply_chat_template(list(e.messages), add_generation_prompt=True)["input_ids"]
+        + tokenizer.convert_tokens_to_ids([e.answer])
+        for e in examples
     ]
     ids = torch.tensor(prompts * 26)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -30,7 +30,7 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | None, out: str |
         state = torch.load(state_file, weights_only=False)["model"]
     if any(key.startswith(PEFT_PREFIX) for key in state):
         optimizer = OmegaConf.load(run_dir / "config.yaml").optimizer
-        state = merged_state(state, optimizer.lora_alpha / optimizer.lora_rank)
+        state = merged_state(state, optimizer.lora_scaling)
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out)

@@ -347,7 +347,7 @@ class Controller:
         """Apply each payload on every engine; resync fully on refusal, for dense updates, or every K steps."""
         resync_every = self.config.rollout.resync_every
         needs_resync = any(p is None for p in payloads) or (resync_every and (step + 1) % resync_every == 0)
-        refused, payload_bytes = 0, 0.0
+        refused, payload_bytes, results = 0, 0.0, []
         for payload in payloads:
             if payload is None:
                 continue
@@ -357,8 +357,8 @@ class Controller:
             if refused:
                 needs_resync = True
                 break
-        if not needs_resync:
-            needs_resync = any(v != self.version for v in self.rollout.call("policy_version"))
+        if not needs_resync:  # every payload applied: the last one left each engine at its version
+            needs_resync = any(r.version != self.version for r in results)
         metrics = {"sync/payload_bytes": payload_bytes, "sync/refused": float(refused)}
         metrics["sync/full_resync_bytes"] = self.full_resync() if needs_resync else 0.0
         metrics["sync/weight_max_abs_diff"] = self.drift(step)

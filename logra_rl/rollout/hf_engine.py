@@ -54,9 +54,6 @@ class HFEngine:
     def version(self) -> int:
         return self.merger.version
 
-    def policy_version(self) -> int:
-        return self.version
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
         """Sample `params.n` responses per prompt, with per-token sampling log-probs, in batches of rows."""
@@ -118,4 +115,5 @@ class HFEngine:
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The targeted weights at (rows, cols), as float32: the drift probe."""
-        return {name: self.merger.weights[name][rows, cols].float().cpu() for name, (rows, cols) in coordinates.items()}
+        targets = self.merger.targets
+        return {name: targets[name].weight[rows, cols].float().cpu() for name, (rows, cols) in coordinates.items()}

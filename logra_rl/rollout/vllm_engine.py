@@ -51,10 +51,6 @@ class VLLMEngine:
         self.mode = modes[0]["mode"]  # in_place | shadow | resync (every update a full resync)
         print(f"[logra vLLM engine] LoGRA merges: {self.mode} {modes[0]['refusal']}".rstrip(), flush=True)
 
-    def policy_version(self) -> int:
-        versions = set(self.llm.collective_rpc("logra_version"))
-        return versions.pop() if len(versions) == 1 else -1  # -1: ranks disagree, the controller resyncs
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt

@@ -135,11 +135,9 @@ class LograWorkerExtension:
     def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
         then exact residuals; the last bucket sets `version` once every weight has arrived."""
-        self._logra_reload(list(state.items()))
+        self._logra_reload(list(state.items()))  # in shadow mode this also reloads the bucket's targets
         with torch.inference_mode():
             self.logra_resync.receive(state, version, bucket, buckets)
-        if bucket == buckets - 1 and self.logra_mode == "shadow":
-            self._logra_push_shadow()
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -157,9 +155,6 @@ class LograWorkerExtension:
             result[held] = target.weight[rows[held] - row_start, cols[held] - col_start].float().cpu()
             values[name] = result
         return values
-
-    def logra_version(self) -> int:
-        return self.logra_merger.version
 
     def _logra_push_shadow(self) -> None:
         """Shadow mode: reload the merged HF-layout targets into vLLM's (repacked) layers."""

@@ -46,7 +46,7 @@ class DenseUpdate:
         self.model = model
         self.update_count = 0
 
-    def update(self, step: int, num_tokens: float, **_) -> tuple[dict[str, float], None]:
+    def update(self, step: int, num_tokens: float) -> tuple[dict[str, float], None]:
         lr = self.config.lr * dense_lr_factor(step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:

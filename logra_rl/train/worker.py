@@ -229,6 +229,8 @@ class TrainWorker:
 
     def update(self, step: int, num_tokens: float, mismatch_sum: float, mismatch_count: int):
         """One optimizer update from the accumulated backward; returns (metrics, payload bytes or None)."""
+        if isinstance(self.optimizer, DenseUpdate):  # dense AdamW or LoRA: no KL probe, no payload
+            return self.optimizer.update(step, num_tokens)
         probe = self._batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
         self.model.eval()
         try:
@@ -279,7 +281,7 @@ class TrainWorker:
         if self.rank != 0:
             return None
         if self.lora:
-            full = merged_state(full, self.config.optimizer.lora_alpha / self.config.optimizer.lora_rank)
+            full = merged_state(full, self.config.optimizer.lora_scaling)
         return full
 
     def full_state_ref(self, keys: list[str]) -> ray.ObjectRef | None:
