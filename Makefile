@@ -38,6 +38,7 @@ test: lint
 	$(MAKE) test-vllm
 
 test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -c "import vllm"  # the vLLM tests skip without vllm: a broken install must fail here
 	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/rollout/test_vllm_layers.py tests/rollout/test_vllm_engine.py
 
 bench: setup

@@ -6,9 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
-
-from tests.data.math_files import DAPO_COPIES, DAPO_PROBLEMS, MATH500_ROWS, dapo_record
+from logra_rl.data.reasoning_gym_task import HARD_MIXTURE
+from tests.data.math_files import MATH500_ROWS, write_dapo, write_math500
 
 BIN = Path(sys.executable).parent
 COMMON = [
@@ -32,12 +31,7 @@ def run(program, args, cwd):
 
 
 def math_files(directory: Path) -> tuple[str, str]:
-    rows = [dapo_record(p, a, i) for i, (p, a) in enumerate(DAPO_PROBLEMS * DAPO_COPIES)]
-    dapo = directory / "dapo-math-17k.parquet"
-    datasets.Dataset.from_list(rows).to_parquet(str(dapo))
-    math500 = directory / "math500.jsonl"
-    math500.write_text("".join(json.dumps(row) + "\n" for row in MATH500_ROWS))
-    return str(dapo), str(math500)
+    return write_dapo(directory / "dapo-math-17k.parquet"), write_math500(directory / "math500.jsonl")
 
 
 def test_math_workload_through_train_and_eval(tmp_path, text_model):
@@ -69,16 +63,7 @@ def test_hard_reasoning_gym_mixture_through_train_and_eval(tmp_path, text_model)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "eval/reasoning_gym/pass@1" in records[2]
     sources = {key.split("/")[2] for key in records[2] if key.count("/") == 3}  # per-source breakdown
-    assert len(sources) >= 2 and sources <= {
-        "arc_1d",
-        "cryptarithm",
-        "kakurasu",
-        "knights_knaves",
-        "maze",
-        "mini_sudoku",
-        "string_manipulation",
-        "word_ladder",
-    }
+    assert len(sources) >= 2 and sources <= set(HARD_MIXTURE)
     run("logra-eval", [*COMMON, *data, f"model.path={text_model}", "trainer.run_name=rg_eval"], tmp_path)
     evaluated = json.loads((tmp_path / "outputs/quickstart/rg_eval/eval_metrics.json").read_text())
     assert 0 <= evaluated["eval/reasoning_gym/pass@1"] <= evaluated["eval/reasoning_gym/pass@2"] <= 1

@@ -1,6 +1,11 @@
 """Small local files shaped like DAPO-Math-17k (verl schema, DAPO's own instruction, every problem repeated) and
 MATH-500 (problem / solution / answer / subject / level / unique_id). Tests never touch the hub."""
 
+import json
+from pathlib import Path
+
+import datasets
+
 DAPO_PROBLEMS = [("What is $1+1$?", "2"), (r"Compute $3 \cdot 4$.", "12"), ("Find $x$ if $2x = 10$.", "5")]
 DAPO_COPIES = 3
 
@@ -54,3 +59,16 @@ def dapo_record(problem: str, answer: str, index: int) -> dict:
         "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
         "extra_info": {"index": f"uuid-{index}"},
     }
+
+
+def write_dapo(path: Path) -> str:
+    """The DAPO-shaped parquet file (every problem repeated DAPO_COPIES times) at `path`."""
+    rows = [dapo_record(p, a, i) for i, (p, a) in enumerate(DAPO_PROBLEMS * DAPO_COPIES)]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def write_math500(path: Path) -> str:
+    """The MATH-500-shaped jsonl file at `path`."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in MATH500_ROWS))
+    return str(path)

@@ -37,15 +37,28 @@ def test_ppo_clipping_stops_the_gradient_outside_the_trust_region():
     assert stats.clipped == 1
 
 
-@pytest.mark.parametrize(("clip_low", "clip_high"), [(0.2, None), (None, 0.2)])
-def test_a_missing_clip_bound_leaves_that_side_unclipped(clip_low, clip_high):
+@pytest.mark.parametrize(
+    ("clip_low", "clip_high", "advantage", "clipped_token"),
+    [
+        (0.2, None, -1.0, 0),  # A < 0 clips on the low side only: ratio e^-0.5 < 0.8 stops pushing down
+        (None, 0.2, -1.0, None),  # ... and with no low bound nothing clips
+        (None, 0.2, 1.0, 1),  # A > 0 clips on the high side only: ratio e^0.5 > 1.2 stops pushing up
+        (0.2, None, 1.0, None),  # ... and with no high bound nothing clips
+    ],
+)
+def test_a_missing_clip_bound_leaves_that_side_unclipped(clip_low, clip_high, advantage, clipped_token):
     old = torch.zeros(1, 2)
     logprobs = torch.tensor([[-0.5, 0.5]], requires_grad=True)  # ratios e^-0.5 (< 0.8) and e^0.5 (> 1.2)
     loss, stats = policy_gradient_loss(
-        logprobs, old, torch.tensor([-1.0]), torch.ones(1, 2), old_logprobs=old, clip_low=clip_low, clip_high=clip_high
+        logprobs,
+        old,
+        torch.tensor([advantage]),
+        torch.ones(1, 2),
+        old_logprobs=old,
+        clip_low=clip_low,
+        clip_high=clip_high,
     )
     loss.backward()
-    # A < 0: only the low side can clip (ratio below 1 − clip_low stops pushing down)
-    low_clipped = clip_low is not None
-    assert (logprobs.grad[0, 0] == 0) == low_clipped and logprobs.grad[0, 1] > 0
-    assert stats.clipped == float(low_clipped)
+    for token in (0, 1):
+        assert (logprobs.grad[0, token] == 0) == (token == clipped_token), token
+    assert stats.clipped == float(clipped_token is not None)

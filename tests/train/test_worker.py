@@ -4,13 +4,13 @@ device and receive their shards, and the sharded model is exactly the model on d
 import pytest
 import ray
 import torch
-from hydra import compose, initialize_config_module
 from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
 from logra_rl.orchestration.cluster import WorkerGroup, start_ray
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import TrainWorker, token_logprobs
+from tests.orchestration.test_controller import run_config
 from tests.tiny_models import random_batch, tiny_qwen3
 
 
@@ -18,11 +18,9 @@ from tests.tiny_models import random_batch, tiny_qwen3
 def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     path = tmp_path / "model"
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
-    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
-        overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
-        overrides += ["optimizer.lora_targets=[q_proj,v_proj,lm_head]"]  # one adapted module outside the layers
-        cfg = compose("config", overrides=overrides)
-    config = RunConfig.from_mapping(cfg)
+    overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
+    overrides += ["optimizer.lora_targets=[q_proj,v_proj,lm_head]"]  # one adapted module outside the layers
+    config = RunConfig.from_mapping(run_config(overrides))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     input_ids = random_batch(3, 12, seed=1)
     batch = TrainBatch(
