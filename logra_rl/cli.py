@@ -1,4 +1,5 @@
-"""Console scripts: `logra-train` (the Controller), `logra-eval` (pass@k of a model or checkpoint), `logra-plot`."""
+"""Console scripts: `logra-train` (the Controller), `logra-eval` (the eval driver: pass@k of a model or
+checkpoint), `logra-plot`."""
 
 from __future__ import annotations
 
@@ -108,23 +109,13 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
 
 def _eval(cfg: DictConfig) -> None:
     """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
-    from logra_rl.eval.export import export_checkpoint
-    from logra_rl.orchestration.controller import Controller
+    from logra_rl.orchestration.eval_driver import evaluate
 
-    config, run_dir, resolved = _run_setup(cfg, "logra-eval")
-    controller = Controller(config, run_dir, resolved)
+    config, run_dir, _ = _run_setup(cfg, "logra-eval")
     try:
-        model_path, step = None, 0
-        if config.eval.checkpoint:
-            name = Path(config.eval.checkpoint).name
-            step = int(name.removeprefix("step_")) if name.startswith("step_") else 0  # the trainer's eval seed
-            model_path = str(export_checkpoint(config.eval.checkpoint, config.model.path, run_dir / f"export_{name}"))
-        controller.setup(train=False, model_path=model_path)
-        metrics = controller.evaluate(step=step)
+        metrics = evaluate(config, run_dir)
     except Exception as error:
         _exit_with_one_line(error, "logra-eval")
-    finally:
-        controller.teardown()
     (run_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     for name, value in sorted(metrics.items()):
         print(f"{name:<50} {value:.4f}")

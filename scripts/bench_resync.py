@@ -70,14 +70,14 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
             before = {role: [reset_peak(p) for p in procs] for role, procs in processes.items()}
             start = time.perf_counter()
             for _ in range(repeats):
-                moved = controller.full_resync()
+                moved = controller.weight_sync.full_resync(controller.policy_version)
             seconds = (time.perf_counter() - start) / repeats
-            drift = controller.drift(step=0)
+            drift = controller.weight_sync.drift(step=0)
             rise = {
                 role: max(peak_rss(p) - b for p, b in zip(procs, before[role], strict=True))
                 for role, procs in processes.items()
             }
-            buckets = len(controller.resync_buckets)
+            buckets = len(controller.weight_sync.buckets)
         finally:
             controller.teardown()
     return {

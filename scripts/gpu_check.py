@@ -282,8 +282,9 @@ def train_worker_setup(device: torch.device, shape: dict) -> dict:
     from hydra import compose, initialize_config_module
 
     from logra_rl.config import RunConfig
+    from logra_rl.rl import token_logprobs
     from logra_rl.train.batch import TrainBatch
-    from logra_rl.train.worker import TrainWorker, token_logprobs
+    from logra_rl.train.worker import TrainWorker
 
     torch.manual_seed(3)
     reference = model_of(shape, layers=2)
@@ -298,8 +299,8 @@ def train_worker_setup(device: torch.device, shape: dict) -> dict:
         setup_s = time.perf_counter() - start
         try:
             state = worker.full_state()
-            buckets = worker.state_buckets(64 * 2**20)
-            parts = {k: v for keys, _ in buckets for k, v in worker.full_state(keys).items()}
+            buckets = worker.resync_buckets(64 * 2**20)
+            parts = {k: v for bucket in buckets for k, v in worker.full_state(bucket.keys).items()}
             ids = torch.randint(0, shape["vocab_size"], (2, 128))
             batch = TrainBatch(
                 input_ids=ids,

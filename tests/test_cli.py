@@ -140,3 +140,40 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
     assert len(samples) == 10 * 4 and {"prompt", "response", "answer", "reward", "source"} <= set(
         json.loads(samples[0])
     )
+
+
+def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, quickstart_model):
+    """The export merges the run's adapters with the run's own scale (alpha / rank from its config)."""
+    common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    common += ["logger.plot=false", "optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
+    common += ["optimizer.lora_alpha=16"]
+    steps = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.run_name=lora"]
+    result = logra_train(*common, *steps, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = metrics(tmp_path / "outputs/quickstart/lora")[-1]
+    assert trained["step"] == 2
+
+    checkpoint = tmp_path / "outputs/quickstart/lora/checkpoints/step_2"
+    result = subprocess.run(
+        [
+            str(Path(LOGRA_TRAIN).with_name("logra-eval")),
+            *common,
+            f"eval.checkpoint={checkpoint}",
+            "trainer.run_name=ev",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluated = json.loads((tmp_path / "outputs/quickstart/ev/eval_metrics.json").read_text())
+    assert evaluated == {k: v for k, v in trained.items() if k.startswith("eval/")} and evaluated
+
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs/quickstart/ev/export_step_2").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(quickstart_model).state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert float((exported[key] - base[key]).abs().max()) > 0  # the adapters were merged in
+    assert not any("lora" in k for k in exported)

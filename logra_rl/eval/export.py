@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from logra_rl.config import RunConfig
 from logra_rl.train.lora import PEFT_PREFIX, merged_state
 
 
@@ -28,9 +29,9 @@ def export_checkpoint(checkpoint: str | Path, base_model: str | None, out: str |
         state_file = Path(scratch) / "state.pt"
         dcp_to_torch_save(checkpoint / "model", state_file)
         state = torch.load(state_file, weights_only=False)["model"]
-    if any(key.startswith(PEFT_PREFIX) for key in state):
-        optimizer = OmegaConf.load(run_dir / "config.yaml").optimizer
-        state = merged_state(state, optimizer.lora_scaling)
+    if any(key.startswith(PEFT_PREFIX) for key in state):  # a LoRA run: merge with the run's own scale
+        run_config = RunConfig.from_mapping(OmegaConf.load(run_dir / "config.yaml"))
+        state = merged_state(state, run_config.optimizer.lora_scaling)
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out)

@@ -23,10 +23,11 @@ from logra_rl.logra.merge import (
     hf_targets,
     merge_low_rank_,
 )
-from logra_rl.logra.optimizer import LoGRAOptimizer, find_targets
+from logra_rl.logra.optimizer import LoGRAOptimizer
 from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
 from logra_rl.logra.projection import canonical_name, make_projection, projection_fingerprint, projection_seed
 from logra_rl.logra.rowadam import row_adam_direction
+from logra_rl.logra.targets import check_rank, find_targets
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -43,6 +44,7 @@ __all__ = [
     "UpdatePayload",
     "apply_payload",
     "canonical_name",
+    "check_rank",
     "exact_kl",
     "find_targets",
     "finite_difference_kl",

@@ -200,21 +200,21 @@ def step_scale(q: float, budget: float, alpha_max: float) -> float:
 
 
 class KLController:
-    """The KL budget for each update: schedule, minus the EMA of the rollout-vs-trainer gap (floored)."""
+    """The KL budget for each update: schedule, minus the EMA of the rollout-vs-trainer mismatch (floored)."""
 
     def __init__(self, config: KLConfig) -> None:
         self.config = config
         self.mismatch = 0.0  # EMA of max(0, mean(log π_rollout − log π_trainer)) over completed responses
 
-    def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_count: int = 0) -> float:
+    def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
         """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.
 
         With no measured tokens this step the budget is not reduced (reference §5.5).
         """
         budget = scheduled_budget(self.config, update)
-        if not self.config.mismatch_subtraction or mismatch_count <= 0:
+        if not self.config.mismatch_subtraction or mismatch_tokens <= 0:
             return budget
-        observed = mismatch_sum / mismatch_count
+        observed = mismatch_sum / mismatch_tokens
         if not math.isfinite(observed):
             raise FloatingPointError(f"rollout-vs-trainer mismatch {observed} is not finite")
         weight = self.config.mismatch_ema_weight

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from logra_rl.logra.config import LoGRAConfig
 from logra_rl.logra.kl import (
@@ -40,44 +39,9 @@ from logra_rl.logra.payload import WIRE_TORCH_DTYPES, PayloadEntry, UpdatePayloa
 from logra_rl.logra.projection import projection_fingerprint
 from logra_rl.logra.rowadam import check_finite, row_adam_direction
 from logra_rl.logra.sketch import LinearSketch
-
-
-def find_targets(model: nn.Module, target_modules: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
-    """Modules whose last name component is in `target_modules`; they must be nn.Linear."""
-    found = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in target_modules:
-            if not isinstance(module, nn.Linear):
-                raise TypeError(f"LoGRA target {name!r} is a {type(module).__name__}, not an nn.Linear")
-            found.append((name, module))
-    if not found:
-        linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-        raise ValueError(
-            f"LoGRA target_modules {list(target_modules)} matched no modules; the model's linear layers "
-            f"include {linears[:6]}; set target_modules to their last name components"
-        )
-    return found
-
-
-def check_rank(modules: list[tuple[str, nn.Linear]], rank: int) -> None:
-    """The rank must not exceed min(d_out, k_in) of any target."""
-    for name, module in modules:
-        if rank > min(module.out_features, module.in_features):
-            raise ValueError(
-                f"LoGRA rank {rank} exceeds min(d_out, k_in) = "
-                f"{min(module.out_features, module.in_features)} of {name!r}; lower logra.rank"
-            )
-
-
-def local_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The locally stored rows of `weight` and the global index of the first one."""
-    if not isinstance(weight, DTensor):
-        return weight, 0
-    local = weight.to_local()
-    if local.numel() == 0:
-        return local, 0
-    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    return local, offset[0]
+from logra_rl.logra.targets import check_rank, find_targets
+from logra_rl.utils.shards import local_rows
+from logra_rl.utils.structs import flatten
 
 
 def _check_layout(name: str, weight: torch.Tensor) -> None:
@@ -349,7 +313,7 @@ class LoGRAOptimizer:
             raise RuntimeError("cannot load state while an update is prepared; commit() or discard() it first")
         saved, current = state["config"], self.config.to_dict()
         if saved != current:
-            differing = sorted(_flatten(saved).items() ^ _flatten(current).items())
+            differing = sorted(flatten(saved).items() ^ flatten(current).items())
             names = sorted({key for key, _ in differing})
             raise ValueError(
                 f"checkpoint LoGRA configuration does not match the current one in {names}: "
@@ -368,13 +332,3 @@ class LoGRAOptimizer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self._draw_projections()
         self.zero_sketches()
-
-
-def _flatten(values: dict, prefix: str = "") -> dict[str, object]:
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
-    return flat

@@ -8,7 +8,7 @@ use the CPU device with gloo. So the scheduling code tested on CPU is the code a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -54,7 +54,9 @@ def start_ray(config: RunConfig) -> bool:
 
 
 class WorkerGroup:
-    """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles."""
+    """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles,
+    built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
+    actors' methods and collect the results with `gather`."""
 
     def __init__(
         self,
@@ -63,7 +65,7 @@ class WorkerGroup:
         name: str,
         cpus: float,
         gpus: float,
-        arguments: Callable[[int], Sequence[Any]],
+        arguments: Callable[[int], Mapping[str, Any]],
     ) -> None:
         self.name = name
         self.placement_group = placement_group([{"CPU": cpus, "GPU": gpus}] * count, strategy="PACK", name=name)
@@ -80,20 +82,12 @@ class WorkerGroup:
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
-            ).remote(*arguments(i))
+            ).remote(**arguments(i))
             for i in range(count)
         ]
 
     def __len__(self) -> int:
         return len(self.actors)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every actor, concurrently; returns their results in actor order."""
-        return self.gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
-
-    def call_each(self, method: str, arguments: Sequence[Sequence[Any]]) -> list[Any]:
-        """Actor i gets `arguments[i]`."""
-        return self.gather([getattr(a, method).remote(*args) for a, args in zip(self.actors, arguments, strict=True)])
 
     def gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Results in order; the first failure kills the group, so ranks blocked in a collective never hang."""
@@ -108,6 +102,7 @@ class WorkerGroup:
         return ray.get(refs)
 
     def kill(self) -> None:
+        """Stop the actors (without waiting for them) and release their bundles."""
         for actor in self.actors:
             ray.kill(actor)
         if self.placement_group is not None:

@@ -10,10 +10,12 @@ from logra_rl.rewards.graders import (
     register_reward,
     strip_end_of_text,
 )
+from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rewards.math import math_reward, math_verify_reward
 from logra_rl.rewards.pool import GradeRequest, GradeResult, RewardPool, grade_one, grader_metrics
 
 __all__ = [
+    "CompletionGrader",
     "GradeRequest",
     "GradeResult",
     "GraderTimeout",

@@ -1,14 +1,17 @@
-"""The rollout engine interface. The HF engine implements it here; the vLLM engine plugs into the same one."""
+"""The rollout engine interface: what the driver's RolloutGroup and WeightSync call on every engine.
+
+`HFEngine` and `VLLMEngine` implement `RolloutEngine`; both are built in their Ray actor from one
+`EngineSpec`, and pick their device there.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from logra_rl.logra import PayloadMerger
+from logra_rl.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -31,41 +34,58 @@ class Completion:
 class SyncResult:
     applied: bool
     version: int  # the engine's policy version after the call
-    reason: str = ""  # why a payload was refused (the controller then resyncs)
+    reason: str = ""  # why a payload was refused (the weight sync then resyncs)
 
 
-class BucketedResync:
-    """A full resync arriving in buckets of HF-named fp32 master weights: loads the merger's targets as
-    their bucket arrives, and lets the last bucket set the version only if every weight has arrived."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from (the `rollout` group plus what it needs from the others)."""
 
-    def __init__(self, merger: PayloadMerger, weight_names: Iterable[str]) -> None:
-        self.merger = merger
-        self.weight_names = frozenset(weight_names)
-        self.pending: set[str] = set()
+    model_path: str
+    dtype: str
+    residual: str  # error-feedback residual of the in-place merges
+    target_modules: tuple[str, ...]
+    merge_chunk_rows: int
+    device: str  # cluster.device; `auto` is resolved inside the engine's actor (hf backend)
+    attn_implementation: str = "sdpa"  # hf backend
+    tensor_parallel_size: int = 1  # vllm backend
+    gpu_memory_utilization: float = 0.6  # vllm backend
+    max_model_len: int = 4096  # vllm backend
+    seed: int = 0  # vllm backend: the engine's default seed (requests carry their own)
 
-    def receive(self, state: Mapping[str, torch.Tensor], version: int, bucket: int, buckets: int) -> None:
-        """Bucket `bucket` of `buckets`; the engine has already loaded `state` into its own weights."""
-        if bucket == 0:
-            self.merger.begin_resync()
-            self.pending = set(self.weight_names)
-        self.pending -= state.keys()
-        targets = self.merger.targets
-        self.merger.load({name: state[f"{name}.weight"] for name in targets if f"{name}.weight" in state})
-        if bucket == buckets - 1:
-            if self.pending:
-                raise KeyError(f"full resync ended without weights {sorted(self.pending)[:4]}")
-            self.merger.finish_resync(version)
+    @classmethod
+    def from_config(cls, config: RunConfig, model_path: str) -> EngineSpec:
+        rollout = config.rollout
+        return cls(
+            model_path=model_path,
+            dtype=rollout.dtype,
+            residual=rollout.residual,
+            target_modules=config.logra.target_modules,
+            merge_chunk_rows=config.logra.merge_chunk_rows,
+            device=config.cluster.device,
+            attn_implementation=config.model.attn_implementation,
+            tensor_parallel_size=rollout.gpus_per_engine,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+            seed=config.trainer.seed,
+        )
 
 
 class RolloutEngine(Protocol):
-    """What the controller needs from an engine; each method is called through a Ray actor handle."""
+    """One rollout engine; every method is called through its Ray actor handle."""
+
+    def __init__(self, spec: EngineSpec) -> None: ...
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]: ...
 
-    def apply_payload(self, payload: bytes) -> SyncResult: ...
+    def apply_payload(self, payload: bytes) -> SyncResult:
+        """Merge a LoGRA payload in place (version-gated); a refusal is reported, never raised."""
 
     def load_weights(
         self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
-    ) -> SyncResult: ...
+    ) -> SyncResult:
+        """Bucket `bucket` of `buckets` of a full resync of fp32 master weights (HF names)."""
 
-    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
+    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Targeted weights at HF (rows, cols), full values (the drift probe); targets the engine cannot
+        read as HF values are left out."""

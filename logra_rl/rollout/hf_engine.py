@@ -12,7 +12,9 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
-from logra_rl.rollout.base import BucketedResync, Completion, SamplingParams, SyncResult
+from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout.resync import BucketedResync
+from logra_rl.utils.device import resolve_device
 from logra_rl.utils.state_dict import tied_duplicates
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
@@ -25,26 +27,18 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted({*configured, tokenizer.eos_token_id} - {None})
 
 
-class HFEngine:
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str,
-        residual: str,
-        target_modules: tuple[str, ...],
-        device: str = "cpu",
-        attn_implementation: str = "sdpa",
-        merge_chunk_rows: int = 256,
-    ) -> None:
-        self.device = torch.device(device)
+class HFEngine(RolloutEngine):
+    def __init__(self, spec: EngineSpec) -> None:
+        self.device = resolve_device(spec.device)
         transformers.logging.disable_progress_bar()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            spec.model_path, dtype=getattr(torch, spec.dtype), attn_implementation=spec.attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
-        weights = {canonical_name(name): module.weight for name, module in find_targets(self.model, target_modules)}
-        self.merger = PayloadMerger(hf_targets(weights, residual), chunk_rows=merge_chunk_rows)
+        targets = find_targets(self.model, spec.target_modules)
+        weights = {canonical_name(name): module.weight for name, module in targets}
+        self.merger = PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)
         self.resync = BucketedResync(self.merger, self.model.state_dict().keys() - tied_duplicates(self.model))
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
@@ -95,7 +89,8 @@ class HFEngine:
         return completions
 
     def apply_payload(self, payload: bytes) -> SyncResult:
-        """Any failure (refusal, bad bytes, an error mid-merge) is reported, never raised: the controller resyncs."""
+        """Any failure (refusal, bad bytes, an error mid-merge) is reported, never raised: the weight sync
+        answers it with a full resync."""
         try:
             self.merger.apply(UpdatePayload.from_bytes(payload))
         except Exception as error:

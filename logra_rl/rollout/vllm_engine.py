@@ -14,40 +14,32 @@ import os
 import numpy as np
 import torch
 
-from logra_rl.rollout.base import Completion, SamplingParams, SyncResult
+from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.utils.shards import combine_shards
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
 
 
-class VLLMEngine:
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str,
-        residual: str,
-        target_modules: tuple[str, ...],
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.6,
-        max_model_len: int = 4096,
-        merge_chunk_rows: int = 256,
-        seed: int = 0,
-    ) -> None:
+class VLLMEngine(RolloutEngine):
+    def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
         self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            seed=seed,
+            model=spec.model_path,
+            dtype=spec.dtype,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            max_model_len=spec.max_model_len,
+            seed=spec.seed,
             enforce_eager=not torch.cuda.is_available(),
             worker_extension_cls=EXTENSION,
             logprobs_mode="processed_logprobs",
         )
-        modes = self.llm.collective_rpc("logra_init", args=(list(target_modules), residual, merge_chunk_rows))
+        modes = self.llm.collective_rpc(
+            "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows)
+        )
         self.mode = modes[0]["mode"]  # in_place | shadow | resync (every update a full resync)
         print(f"[logra vLLM engine] LoGRA merges: {self.mode} {modes[0]['refusal']}".rstrip(), flush=True)
 
@@ -94,7 +86,7 @@ class VLLMEngine:
         return self._sync("logra_load", state, version, bucket, buckets)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Each coordinate comes from the TP rank that holds it (replicated rows agree)."""
+        """Each coordinate comes from the TP rank that holds it (NaN on the others; replicated rows agree)."""
         per_rank = self.llm.collective_rpc("logra_weights_at", args=(coordinates,))
         readable = [name for name in coordinates if all(name in r for r in per_rank)]
-        return {name: torch.stack([r[name] for r in per_rank]).nanmean(0) for name in readable}
+        return {name: combine_shards([r[name] for r in per_rank]) for name in readable}

@@ -31,7 +31,7 @@ from logra_rl.logra import (
     hf_targets,
 )
 from logra_rl.logra.merge import RESIDUAL_DTYPES
-from logra_rl.rollout.base import BucketedResync
+from logra_rl.rollout.resync import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 from logra_rl.utils.state_dict import tied_duplicates
 

@@ -1,10 +1,14 @@
-"""The tensors a TrainWorker trains on, and their split into token-budgeted microbatches."""
+"""The tensors a TrainWorker trains on: built from the engines' completions, split into token-budgeted
+microbatches."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+
+from logra_rl.rollout import Completion
 
 
 @dataclass
@@ -48,3 +52,21 @@ class TrainBatch:
             widest = widest_with
         batches.append(self.rows(slice(start, len(lengths))).trimmed())
         return batches
+
+
+def pack_batch(completions: Sequence[Completion], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+    """Right-padded prompt + response rows; response positions carry the loss mask and sampling log-probs."""
+    rows = [c.prompt_ids + c.token_ids for c in completions]
+    shape = (len(rows), max(len(r) for r in rows))
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape)
+    rollout_logprobs = torch.zeros(shape)
+    for i, (row, c) in enumerate(zip(rows, completions, strict=True)):
+        start = len(c.prompt_ids)
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        loss_mask[i, start : len(row)] = 1
+        rollout_logprobs[i, start : len(row)] = torch.tensor(c.logprobs)
+    completed = torch.tensor([c.finished for c in completions])
+    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, advantages, completed)

@@ -1,7 +1,10 @@
-"""The two update rules a TrainWorker can run: LoGRA (default) and the paper's dense AdamW baseline.
+"""The update rules a TrainWorker can run, behind one interface: LoGRA (default), dense AdamW, LoRA.
 
-Both take the same backward (a token-sum loss) and expose `update(...) -> metrics, payload`:
-LoGRA returns the payload of its update; dense returns None, so the controller resyncs full weights.
+A rule first prepares the fp32 model before it is sharded (`prepare_model`: which parameters train,
+LoRA adapters), then takes the accumulated backward (a token-sum loss) and `UpdateInputs`, and
+answers with its metrics and what changed: the committed `UpdatePayload` (LoGRA), `FullResync`
+(dense, LoRA: every trained weight moved) or `NoChange` (the update was skipped).
+`update_rule_class` is the only place that looks at `optimizer.name`.
 """
 
 from __future__ import annotations
@@ -9,14 +12,72 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from logra_rl.config import OptimizerConfig
-from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
-from logra_rl.logra.kl import ProbeError
+from logra_rl.config import OptimizerConfig, RunConfig
+from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload
+from logra_rl.train.api import FullResync, NoChange
+from logra_rl.train.lora import add_lora
+from logra_rl.utils.shards import full_tensor
+
+UPDATE_STATE = "update_state.pt"  # the rule's own state (and the policy version) inside a checkpoint
+
+
+@dataclass(frozen=True)
+class KLProbe:
+    """The rows LoGRA measures a proposal on: `forward(input_ids) -> logits` runs the policy."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class UpdateInputs:
+    """Everything an update may use besides the accumulated gradients or sketches; group-wide values."""
+
+    step: int
+    num_tokens: float  # loss tokens over all ranks
+    mismatch_sum: float  # Σ log π_rollout − log π_train over completed responses' tokens (0 after epoch 0)
+    mismatch_tokens: int
+    probe: KLProbe
+
+
+Outcome = UpdatePayload | FullResync | NoChange
+
+
+class UpdateRule(Protocol):
+    def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None: ...
+
+    @staticmethod
+    def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
+        """The model to shard and train: trainable parameters set, adapters added (before FSDP2)."""
+
+    @property
+    def version(self) -> int:
+        """Updates committed so far: the policy version."""
+
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]: ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+
+def update_rule_class(config: RunConfig) -> type[UpdateRule]:
+    return {"logra": LoGRAUpdate, "dense": DenseUpdate, "lora": LoRAUpdate}[config.optimizer.name]
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def dense_lr_factor(step: int, config: OptimizerConfig) -> float:
@@ -36,23 +97,34 @@ class DenseUpdate:
     gradient is rescaled by world_size / global tokens (gloo has no pre-scaled sum to do it inside).
     """
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig, world_size: int) -> None:
-        self.config = config
+    def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
+        self.config = config.optimizer
         self.world_size = world_size
         trainable = [p for p in model.parameters() if p.requires_grad]  # all weights, or the LoRA adapters
         self.optimizer = torch.optim.AdamW(
-            trainable, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            trainable,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            weight_decay=self.config.weight_decay,
         )
         self.model = model
         self.update_count = 0
 
-    def update(self, step: int, num_tokens: float) -> tuple[dict[str, float], None]:
-        lr = self.config.lr * dense_lr_factor(step, self.config)
+    @staticmethod
+    def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
+        return model.requires_grad_(True)
+
+    @property
+    def version(self) -> int:
+        return self.update_count
+
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]:
+        lr = self.config.lr * dense_lr_factor(inputs.step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:
-            grad.mul_(self.world_size / num_tokens)
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+            grad.mul_(self.world_size / inputs.num_tokens)
+        grad_norm = float(full_tensor(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
         if not skipped:
             for group in self.optimizer.param_groups:
@@ -60,13 +132,32 @@ class DenseUpdate:
             self.optimizer.step()
             self.update_count += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}, None
+        metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
+        return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
 
-    def state_dict(self) -> dict:
-        return {"update_count": self.update_count}
+    def save(self, directory: Path) -> None:
+        """AdamW moments sharded with torch.distributed.checkpoint (a collective); the count on rank 0."""
+        dcp.save(
+            {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=directory / "optimizer"
+        )
+        if _is_rank0():
+            torch.save({"update_count": self.update_count}, directory / UPDATE_STATE)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.update_count = state["update_count"]
+    def load(self, directory: Path) -> None:
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=directory / "optimizer")
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.update_count = torch.load(directory / UPDATE_STATE, weights_only=True)["update_count"]
+
+
+class LoRAUpdate(DenseUpdate):
+    """The dense rule over peft LoRA adapters (seeded by `trainer.seed`); the base weights stay frozen."""
+
+    @staticmethod
+    def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
+        model.requires_grad_(False)
+        torch.manual_seed(config.trainer.seed)
+        return add_lora(model, config.optimizer)
 
 
 class LoGRAUpdate:
@@ -76,36 +167,39 @@ class LoGRAUpdate:
     realised KL skips the update: the prepared update is discarded and nothing changes.
     """
 
-    def __init__(self, model: nn.Module, config: LoGRAConfig, temperature: float) -> None:
-        self.optimizer = LoGRAOptimizer(model, config)
-        self.temperature = temperature
+    def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
+        self.optimizer = LoGRAOptimizer(model, config.logra)
+        self.model = model
+        self.temperature = config.rollout.temperature
 
-    def update(
-        self,
-        step: int,
-        num_tokens: float,
-        forward: Callable[[torch.Tensor], torch.Tensor],
-        probe_ids: torch.Tensor,
-        probe_mask: torch.Tensor,
-        mismatch_sum: float,
-        mismatch_count: int,
-        serialise: bool,
-    ) -> tuple[dict[str, float], bytearray | None]:
+    @staticmethod
+    def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
+        return model.requires_grad_(False)  # LoGRA's targets get sketches, not gradients
+
+    @property
+    def version(self) -> int:
+        return self.optimizer.update_count
+
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]:
         opt = self.optimizer
         try:
-            sketch_norm = opt.prepare(num_tokens=num_tokens)
-        except FloatingPointError:
+            sketch_norm = opt.prepare(num_tokens=inputs.num_tokens)
+        except FloatingPointError as error:
             opt.zero_sketches()
-            return {"actor/skipped": 1.0}, None
+            return {"actor/skipped": 1.0}, NoChange(str(error))
+        probe, temperature = inputs.probe, self.temperature
         start = time.perf_counter()
+        self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            q = opt.probe_kl(forward, probe_ids, probe_mask, self.temperature)
-            budget = opt.kl_controller.step_budget(opt.update_count, mismatch_sum, mismatch_count)
+            q = opt.probe_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature)
+            budget = opt.kl_controller.step_budget(opt.update_count, inputs.mismatch_sum, inputs.mismatch_tokens)
             alpha = opt.kl_controller.alpha(q, budget)
-            realized = opt.realized_kl(forward, probe_ids, probe_mask, self.temperature, alpha)
-        except (FloatingPointError, ProbeError):
+            realized = opt.realized_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, alpha)
+        except (FloatingPointError, ProbeError) as error:
             opt.discard()
-            return {"actor/skipped": 1.0}, None
+            return {"actor/skipped": 1.0}, NoChange(str(error))
+        finally:
+            self.model.train()
         probe_seconds = time.perf_counter() - start
         payload = opt.commit(alpha)
         metrics = {
@@ -120,10 +214,11 @@ class LoGRAUpdate:
             "actor/skipped": 0.0,
             "timing_s/probe": probe_seconds,
         }
-        return metrics, payload.to_bytes() if serialise else None
+        return metrics, payload
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    def save(self, directory: Path) -> None:
+        if _is_rank0():
+            torch.save(self.optimizer.state_dict(), directory / UPDATE_STATE)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def load(self, directory: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(directory / UPDATE_STATE, weights_only=True))

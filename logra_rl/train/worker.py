@@ -1,8 +1,9 @@
-"""TrainWorker: one training device. FSDP2 over the train group, fp32 master weights, LoGRA or dense.
+"""TrainWorker: one training device. FSDP2 over the train group, fp32 master weights, one update rule.
 
-The controller drives every worker of the group in lock-step (each call is a collective):
-`setup` → per step `forward_backward` (its shard of the batch) → `update` → and, when asked,
-`full_state` / `weights_at` (sync and drift probe), `save` / `load` (checkpoints), `memory`.
+The driver reaches the group through `orchestration.train_group.TrainGroup`, which calls every worker
+in lock-step (each call is a collective): `setup`, then per step `train_step` (this rank's shard of
+the batch → a `StepResult`), and when asked `resync_bucket` / `weights_at` (the weight sync and its
+drift probe) and `save` / `load` (checkpoints). Sums over ranks are all-reduced here, inside the group.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,55 +22,43 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from peft import PeftModel
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra.optimizer import local_rows
-from logra_rl.rl import policy_gradient_loss
+from logra_rl.logra import UpdatePayload
+from logra_rl.rl import policy_gradient_loss, token_logprobs
+from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
 from logra_rl.train.batch import TrainBatch
-from logra_rl.train.lora import add_lora, is_adapter, lora_layers, merged_state
-from logra_rl.train.optimizers import DenseUpdate, LoGRAUpdate
+from logra_rl.train.lora import is_adapter, lora_layers, merged_state
+from logra_rl.train.optimizers import KLProbe, Outcome, UpdateInputs, update_rule_class
+from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
+from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
 
 GIB = 2**30
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("cluster.device=cuda but CUDA is not available in this worker; use cluster.device=auto")
-    return torch.device(name, 0) if name == "cuda" else torch.device(name)
-
-
 LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
 ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts of one LoRA-wrapped module
 # Rank 0 reads the whole checkpoint while the other ranks wait in the first broadcast: allow for a
 # 27B fp32 load from slow storage (NCCL's default is 10 minutes).
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
-LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
+# Per-token sums of one backward pass, all-reduced over the group in this order.
+SUMS = ("tokens", "loss", "is_ratio", "is_truncated", "clipped", "mismatch_all", "mismatch", "mismatch_tokens")
+SUMMED_OVER_EPOCHS = ("actor/skipped", "timing_s/probe")  # the other per-update metrics are epoch means
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token t | < t) for t ≥ 1, aligned with input_ids[:, 1:] (float32), in position chunks."""
-    logits, targets = logits[:, :-1], input_ids[:, 1:, None]
-    chunks = []
-    for start in range(0, targets.shape[1], LOGPROB_CHUNK):
-        chunk = logits[:, start : start + LOGPROB_CHUNK].float() / temperature
-        picked = chunk.gather(-1, targets[:, start : start + LOGPROB_CHUNK]).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(chunks, dim=1)
+def aggregate_epochs(per_epoch: list[Mapping[str, float]]) -> dict[str, float]:
+    """One step's metrics from its epochs' (PPO): counts and times add up, the rest is the mean over the
+    epochs that report it (a skipped LoGRA update reports no logra/* values)."""
+    keys = dict.fromkeys(key for metrics in per_epoch for key in metrics)
+    aggregated = {}
+    for key in keys:
+        values = [metrics[key] for metrics in per_epoch if key in metrics]
+        aggregated[key] = float(sum(values)) if key in SUMMED_OVER_EPOCHS else float(sum(values) / len(values))
+    return aggregated
 
 
 class TrainWorker:
@@ -80,7 +70,7 @@ class TrainWorker:
         self.world_size = world_size
         self.device = resolve_device(config.cluster.device)
         self.temperature = config.rollout.temperature
-        self._batch: TrainBatch | None = None  # this step's shard, kept for the KL probe
+        self.rule_class = update_rule_class(config)
 
     @staticmethod
     def address() -> tuple[str, int]:
@@ -90,9 +80,11 @@ class TrainWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, float]:
+    # ---- set-up -----------------------------------------------------------------------------------
+
+    def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group, build the fp32 model sharded with FSDP2 (weights read by rank 0), build
-        the optimizer."""
+        the update rule; returns the policy version (0)."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
@@ -103,31 +95,22 @@ class TrainWorker:
             loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
         with torch.device("meta"):
             model = self._build(AutoModelForCausalLM.from_config, AutoConfig.from_pretrained(self.model_path))
-        self.lora = lora_layers(model) if isinstance(model, PeftModel) else None
+        self.lora = lora_layers(model)  # empty unless the rule added adapters
         self.model = self._shard(model)
         self.model.to_empty(device=self.device)
         self._receive_weights(loaded)
         del loaded
-        kind = self.config.optimizer.name
-        if kind == "logra":
-            self.optimizer = LoGRAUpdate(self.model, self.config.logra, self.temperature)
-        else:
-            self.optimizer = DenseUpdate(self.model, self.config.optimizer, self.world_size)
+        self.rule = self.rule_class(self.model, self.config, self.world_size)
         self.model.train()
-        return self.memory()
+        return self.rule.version
 
     def _build(self, constructor: Callable[..., torch.nn.Module], source: str | PretrainedConfig) -> torch.nn.Module:
-        """The fp32 model as trained: checkpointing, trainable parameters, LoRA adapters (seeded)."""
+        """The fp32 model as trained: checkpointing, then what the update rule trains (LoRA: adapters)."""
         model_config = self.config.model
         model = constructor(source, dtype=torch.float32, attn_implementation=model_config.attn_implementation)
         if model_config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        kind = self.config.optimizer.name
-        model.requires_grad_(kind == "dense")
-        if kind == "lora":
-            torch.manual_seed(self.config.trainer.seed)
-            model = add_lora(model, self.config.optimizer)
-        return model
+        return self.rule_class.prepare_model(model, self.config)
 
     def _receive_weights(self, loaded: torch.nn.Module | None) -> None:
         """Fill the empty shards from rank 0's full model (`loaded`; None on the other ranks).
@@ -155,6 +138,54 @@ class TrainWorker:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, step: int) -> StepResult:
+        """Steps 3–6 on this rank's shard: one update per epoch (PPO), each from a fresh backward.
+
+        Every rank computes the same update from all-reduced sketches or gradients; payload bytes are
+        serialised on rank 0 only, whose result `TrainGroup` reports for the group.
+        """
+        algorithm = self.config.algorithm
+        if algorithm.clip_low is not None or algorithm.clip_high is not None:
+            batch = replace(batch, old_logprobs=self.logprobs(batch))
+        per_epoch, outcomes, first = [], [], {}
+        for epoch in range(algorithm.epochs):
+            sums = self._forward_backward(batch)
+            first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
+            inputs = UpdateInputs(
+                step=step,
+                num_tokens=sums["tokens"],
+                mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
+                mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
+                probe=self._probe(batch),
+            )
+            update_metrics, outcome = self.rule.update(inputs)
+            outcomes.append(outcome)
+            tokens = max(sums["tokens"], 1)
+            per_epoch.append(
+                {
+                    "actor/loss": sums["loss"] / tokens,
+                    "actor/is_ratio_mean": sums["is_ratio"] / tokens,
+                    "actor/is_truncated_frac": sums["is_truncated"] / tokens,
+                    "actor/clip_frac": sums["clipped"] / tokens,
+                    "actor/tokens": sums["tokens"],
+                    **update_metrics,
+                }
+            )
+        metrics = aggregate_epochs(per_epoch)
+        metrics["rollout/logprob_diff_mean"] = first["mismatch_all"] / max(first["tokens"], 1)
+        metrics.update(self._memory_metrics())
+        return StepResult(policy_version=self.rule.version, metrics=metrics, update=self._weight_update(outcomes))
+
+    def _weight_update(self, outcomes: list[Outcome]) -> WeightUpdate:
+        payloads = [o for o in outcomes if isinstance(o, UpdatePayload)]
+        if payloads:  # rank 0 serialises; the other ranks' identical copies would travel for nothing
+            return LowRankPayloads(tuple(p.to_bytes() for p in payloads) if self.rank == 0 else ())
+        if any(isinstance(o, FullResync) for o in outcomes):
+            return FullResync()
+        return NoChange("; ".join(o.reason for o in outcomes))
 
     def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -189,12 +220,10 @@ class TrainWorker:
                 row += len(micro)
         return out
 
-    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
-        """Loss and backward over token-budgeted microbatches; returns sums the controller reduces."""
+    def _forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Loss and backward over token-budgeted microbatches; returns the group's sums (all-reduced)."""
         algorithm = self.config.algorithm
-        sums = dict.fromkeys(
-            ["tokens", "loss", "is_ratio", "is_truncated", "clipped", "gap", "gap_tokens", "gap_all"], 0.0
-        )
+        sums = dict.fromkeys(SUMS, 0.0)
         for micro in self._microbatches(batch):
             micro = micro if micro is not None else self._filler(batch)  # zero loss mask: zero gradient
             ids = micro.input_ids.to(self.device)
@@ -214,41 +243,47 @@ class TrainWorker:
                 clip_high=algorithm.clip_high,
             )
             loss.backward()
-            gap = (rollout - logprobs.detach()) * mask
+            mismatch = (rollout - logprobs.detach()) * mask
             completed = micro.completed.to(self.device)[:, None]
             sums["tokens"] += stats.tokens
             sums["loss"] += float(loss.detach())
             sums["is_ratio"] += stats.is_ratio_sum
             sums["is_truncated"] += stats.is_truncated
             sums["clipped"] += stats.clipped
-            sums["gap_all"] += float(gap.sum())
-            sums["gap"] += float((gap * completed).sum())
-            sums["gap_tokens"] += float((mask * completed).sum())
-        self._batch = batch
-        return sums
+            sums["mismatch_all"] += float(mismatch.sum())
+            sums["mismatch"] += float((mismatch * completed).sum())
+            sums["mismatch_tokens"] += float((mask * completed).sum())
+        reduced = torch.tensor([sums[key] for key in SUMS], dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced)
+        return dict(zip(SUMS, reduced.tolist(), strict=True))
 
-    def update(self, step: int, num_tokens: float, mismatch_sum: float, mismatch_count: int):
-        """One optimizer update from the accumulated backward; returns (metrics, payload bytes or None)."""
-        if isinstance(self.optimizer, DenseUpdate):  # dense AdamW or LoRA: no KL probe, no payload
-            return self.optimizer.update(step, num_tokens)
-        probe = self._batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
-        self.model.eval()
-        try:
-            metrics, payload = self.optimizer.update(
-                step=step,
-                num_tokens=num_tokens,
-                forward=lambda ids: self._logits(ids),
-                probe_ids=probe.input_ids.to(self.device),
-                probe_mask=probe.loss_mask.to(self.device),
-                mismatch_sum=mismatch_sum,
-                mismatch_count=mismatch_count,
-                serialise=self.rank == 0,
-            )
-        finally:
-            self.model.train()
-        return metrics, payload
+    def _probe(self, batch: TrainBatch) -> KLProbe:
+        """LoGRA's KL probe rows: the first responses of this rank's shard."""
+        probe = batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
+        return KLProbe(
+            forward=lambda ids: self._logits(ids),
+            input_ids=probe.input_ids.to(self.device),
+            loss_mask=probe.loss_mask.to(self.device),
+        )
 
-    def state_buckets(self, max_bytes: int) -> list[tuple[list[str], int]]:
+    def _memory_metrics(self) -> dict[str, float]:
+        """Mean current and largest peak memory over the group: CUDA allocator on GPU, process RSS on CPU."""
+        if self.device.type == "cuda":
+            current, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+        else:
+            current, peak = rss_bytes(), peak_rss_bytes()
+        mean_current = torch.tensor(float(current), dtype=torch.float64, device=self.device)
+        largest_peak = torch.tensor(float(peak), dtype=torch.float64, device=self.device)
+        dist.all_reduce(mean_current)
+        dist.all_reduce(largest_peak, op=dist.ReduceOp.MAX)
+        return {
+            "memory/train_avg_gib": float(mean_current) / self.world_size / GIB,
+            "memory/train_peak_gib": float(largest_peak) / GIB,
+        }
+
+    # ---- weights for the engines --------------------------------------------------------------------
+
+    def resync_buckets(self, max_bytes: int) -> list[ResyncBucket]:
         """The state dict's keys in buckets of about `max_bytes`, with the bytes each sends to an engine.
 
         The buckets of a full resync. A decoder layer is never split, so a LoRA module travels with
@@ -260,22 +295,22 @@ class TrainWorker:
         for key in (k for k in state if k not in tied):
             layer = LAYER_KEY.match(key)
             groups.setdefault(layer.group(1) if layer else ADAPTER_PART.sub("", key), []).append(key)
-        buckets: list[tuple[list[str], int]] = []
+        buckets: list[ResyncBucket] = []
         for keys in groups.values():
             sent = sum(state[k].numel() * state[k].element_size() for k in keys if not is_adapter(k))
-            if buckets and buckets[-1][1] + sent <= max_bytes:
-                buckets[-1] = (buckets[-1][0] + keys, buckets[-1][1] + sent)
+            if buckets and buckets[-1].nbytes + sent <= max_bytes:
+                buckets[-1] = ResyncBucket(buckets[-1].keys + tuple(keys), buckets[-1].nbytes + sent)
             else:
-                buckets.append((keys, sent))
+                buckets.append(ResyncBucket(tuple(keys), sent))
         return buckets
 
-    def full_state(self, keys: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+    def full_state(self, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor] | None:
         """The full fp32 values of `keys` (default: the whole state dict) on rank 0's CPU, under HF names
         with LoRA merged; None on the other ranks. A collective: every rank must ask for the same keys."""
         state = get_model_state_dict(self.model)
         full = {}
         for key in keys if keys is not None else list(state):
-            value = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
+            value = full_tensor(state[key])
             if self.rank == 0:
                 full[key] = value.detach().to("cpu", copy=True)
         if self.rank != 0:
@@ -284,65 +319,53 @@ class TrainWorker:
             full = merged_state(full, self.config.optimizer.lora_scaling)
         return full
 
-    def full_state_ref(self, keys: list[str]) -> ray.ObjectRef | None:
+    def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
         """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere): the driver
         passes the reference on to the engines and never holds the weights itself."""
         state = self.full_state(keys)
         return ray.put(state) if state is not None else None
 
-    def weights_at(
-        self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), and which
-        of them this rank holds."""
+    def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), combined
+        over the group's row shards (a collective); every rank returns the full values."""
         modules = dict(self.model.named_modules())
-        values = {}
+        local = []
         for name, (rows, cols) in coordinates.items():
-            lora = self.lora.get(name) if self.lora else None
-            local, offset = local_rows((lora.base_layer if lora else modules[name]).weight)
-            held = (rows >= offset) & (rows < offset + local.shape[0])
-            result = torch.zeros(rows.shape)
-            local_rows_held, cols_held = rows[held] - offset, cols[held]
-            result[held] = local.detach()[local_rows_held, cols_held].float().cpu()
+            lora = self.lora.get(name)
+            weight, offset = local_rows((lora.base_layer if lora else modules[name]).weight)
+            held = (rows >= offset) & (rows < offset + weight.shape[0])
+            values = torch.full(rows.shape, torch.nan)
+            rows_held, cols_held = rows[held] - offset, cols[held]
+            values[held] = weight.detach()[rows_held, cols_held].float().cpu()
             if lora is not None:
                 b, _ = local_rows(lora.lora_B["default"].weight)
-                a = lora.lora_A["default"].weight
-                a = a.full_tensor() if isinstance(a, DTensor) else a
-                update = (b.detach()[local_rows_held] * a.detach()[:, cols_held].t()).sum(dim=1)
-                result[held] += (lora.scaling["default"] * update).float().cpu()
-            values[name] = (result, held)
-        return values
+                a = full_tensor(lora.lora_A["default"].weight)
+                update = (b.detach()[rows_held] * a.detach()[:, cols_held].t()).sum(dim=1)
+                values[held] += (lora.scaling["default"] * update).float().cpu()
+            local.append(values)
+        flat = torch.cat(local).to(self.device)
+        parts = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(parts, flat)
+        combined = combine_shards([part.cpu() for part in parts])
+        return dict(zip(coordinates, combined.split([len(v) for v in local]), strict=True))
+
+    # ---- checkpoints ------------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        """Sharded model (and dense optimizer) state with torch.distributed.checkpoint; LoGRA state on rank 0."""
+        """Sharded model state with torch.distributed.checkpoint, then the update rule's own state."""
         path = Path(directory)
         dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=path / "model")
-        if isinstance(self.optimizer, DenseUpdate):
-            state = get_optimizer_state_dict(self.model, self.optimizer.optimizer)
-            dcp.save({"optimizer": state}, checkpoint_id=path / "optimizer")
-        if self.rank == 0:
-            torch.save(self.optimizer.state_dict(), path / "update_state.pt")
+        self.rule.save(path)
         dist.barrier()
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str) -> int:
+        """Restore a checkpoint written by `save`; returns its policy version."""
         path = Path(directory)
         state = {"model": get_model_state_dict(self.model)}
         dcp.load(state, checkpoint_id=path / "model")
         set_model_state_dict(self.model, state["model"])
-        if isinstance(self.optimizer, DenseUpdate):
-            optim_state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer.optimizer)}
-            dcp.load(optim_state, checkpoint_id=path / "optimizer")
-            set_optimizer_state_dict(self.model, self.optimizer.optimizer, optim_state["optimizer"])
-        self.optimizer.load_state_dict(torch.load(path / "update_state.pt", weights_only=True))
-
-    def memory(self) -> dict[str, float]:
-        """Current and peak memory of this worker: CUDA allocator on GPU, process RSS on CPU."""
-        if self.device.type == "cuda":
-            return {
-                "current_gib": torch.cuda.memory_allocated(self.device) / GIB,
-                "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
-            }
-        return {"current_gib": rss_bytes() / GIB, "peak_gib": peak_rss_bytes() / GIB}
+        self.rule.load(path)
+        return self.rule.version
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -25,3 +25,14 @@ def from_mapping(cls: type[T], values: Mapping[str, Any] | Any, prefix: str) -> 
         valid = sorted(prefix + k for k in known)
         raise ValueError(f"config: unknown key(s) {[prefix + k for k in unknown]}; valid keys are {valid}")
     return cls(**values)
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys; lists become tuples, so a list and a tuple compare equal."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return flat

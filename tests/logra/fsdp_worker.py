@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
-from logra_rl.logra.optimizer import local_rows
+from logra_rl.utils.shards import local_rows
 from tests.logra.test_fsdp import ALPHA, CONFIG, GLOBAL_BATCH, LOSS_MASK, MODEL_SEED, NUM_TOKENS, TEMPERATURE
 from tests.tiny_models import tiny_qwen3, token_sum_loss
 

@@ -132,17 +132,17 @@ def test_step_scale_rule():
 
 def test_mismatch_subtraction_arithmetic():
     controller = KLController(KLConfig(schedule="constant", budget=2e-4))
-    assert controller.step_budget(0, mismatch_sum=0.0, mismatch_count=0) == 2e-4 and controller.mismatch == 0
+    assert controller.step_budget(0, mismatch_sum=0.0, mismatch_tokens=0) == 2e-4 and controller.mismatch == 0
     # observed 1e-4 -> m = 0.3e-4 -> δ_eff = 1.7e-4
-    assert controller.step_budget(1, mismatch_sum=0.1, mismatch_count=1000) == pytest.approx(1.7e-4)
+    assert controller.step_budget(1, mismatch_sum=0.1, mismatch_tokens=1000) == pytest.approx(1.7e-4)
     assert controller.mismatch == pytest.approx(3e-5)
     # a negative observation counts as 0: m = 0.7 * 3e-5
-    assert controller.step_budget(2, mismatch_sum=-5.0, mismatch_count=1000) == pytest.approx(2e-4 - 2.1e-5)
+    assert controller.step_budget(2, mismatch_sum=-5.0, mismatch_tokens=1000) == pytest.approx(2e-4 - 2.1e-5)
     # no completed responses: m unchanged and the budget not reduced
     assert controller.step_budget(3) == 2e-4 and controller.mismatch == pytest.approx(2.1e-5)
-    # a large gap hits the floor 0.5·δ
-    assert controller.step_budget(4, mismatch_sum=10.0, mismatch_count=100) == pytest.approx(1e-4)
+    # a large mismatch hits the floor 0.5·δ
+    assert controller.step_budget(4, mismatch_sum=10.0, mismatch_tokens=100) == pytest.approx(1e-4)
     with pytest.raises(FloatingPointError):
-        controller.step_budget(5, mismatch_sum=float("nan"), mismatch_count=3)
+        controller.step_budget(5, mismatch_sum=float("nan"), mismatch_tokens=3)
     off = KLController(KLConfig(schedule="constant", mismatch_subtraction=False))
-    assert off.step_budget(0, mismatch_sum=10.0, mismatch_count=100) == 2e-4 and off.mismatch == 0
+    assert off.step_budget(0, mismatch_sum=10.0, mismatch_tokens=100) == 2e-4 and off.mismatch == 0

@@ -135,7 +135,7 @@ def test_resume_mid_run_is_bit_identical():
     model = tiny_qwen3(seed=2)
     opt = LoGRAOptimizer(model, config)
     _run(model, opt, BATCHES[:3])
-    opt.kl_controller.step_budget(update=3, mismatch_sum=0.5, mismatch_count=1000)
+    opt.kl_controller.step_budget(update=3, mismatch_sum=0.5, mismatch_tokens=1000)
 
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)

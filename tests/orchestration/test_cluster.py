@@ -21,9 +21,11 @@ def test_four_plus_four_placement_on_logical_gpus():
     assert start_ray(config)
     try:
         assert ray.cluster_resources()["GPU"] == 8
-        train = WorkerGroup(Probe, 4, "train", cpus=0.5, gpus=1, arguments=lambda i: ("train", i))
-        rollout = WorkerGroup(Probe, 4, "rollout", cpus=0.5, gpus=1, arguments=lambda i: ("rollout", i))
-        places = train.call("where") + rollout.call("where")
+        train = WorkerGroup(Probe, 4, "train", cpus=0.5, gpus=1, arguments=lambda i: {"group": "train", "index": i})
+        rollout = WorkerGroup(
+            Probe, 4, "rollout", cpus=0.5, gpus=1, arguments=lambda i: {"group": "rollout", "index": i}
+        )
+        places = train.gather([a.where.remote() for a in train.actors + rollout.actors])
         assert [p[:2] for p in places] == [("train", i) for i in range(4)] + [("rollout", i) for i in range(4)]
         gpu_ids = [p[2] for p in places]
         assert all(len(ids) == 1 for ids in gpu_ids) and len({ids[0] for ids in gpu_ids}) == 8

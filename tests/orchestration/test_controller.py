@@ -7,6 +7,8 @@ from hydra import compose, initialize_config_module
 
 from logra_rl.config import RunConfig
 from logra_rl.orchestration.controller import Controller
+from logra_rl.train.api import LowRankPayloads, NoChange
+from logra_rl.train.batch import pack_batch
 
 REQUIRED = [
     "reward/mean",
@@ -40,6 +42,25 @@ def run_config(overrides):
         return compose("config", overrides=overrides)
 
 
+def next_batch(controller, prompts=16, seed=5, advantages=None):
+    """One step's rollouts, graded and packed, as the step loop builds them."""
+    chosen = controller.sampler.next_batch(prompts)
+    completions = controller.rollout.generate([p.token_ids for p in chosen], controller.sampling(), seed=seed)
+    rewards, _ = controller.grader.grade(chosen, completions)
+    if advantages is None:
+        advantages = controller.advantages(rewards, completions)
+    return pack_batch(completions, advantages, controller.workload.pad_id)
+
+
+def target_grid(controller):
+    """Every coordinate of every LoGRA target, as drift-probe coordinates."""
+    grid = {
+        name: torch.cartesian_prod(torch.arange(r), torch.arange(c)).T
+        for name, (r, c) in controller.weight_sync.targets.items()
+    }
+    return {name: (g[0], g[1]) for name, g in grid.items()}
+
+
 def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path, quickstart_model):
     cfg = run_config(
         [
@@ -56,19 +77,14 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     controller.setup()
     try:
         history = [controller.step(step) for step in range(3)]
-        evaluation = controller.evaluate(3)
-        # a duplicated payload is refused by the version gate; the controller resyncs and carries on
-        prompts = controller.sampler.next_batch(16)
-        completions = controller.generate(prompts, controller.sampling(), seed=5)
-        rewards, _ = controller.grade(prompts, completions)
-        _, payloads = controller.train_on(controller.pack(completions, controller.advantages(rewards, completions)), 3)
-        duplicate = controller.sync(payloads + payloads, step=3)
-        master = next(s for s in controller.train.call("full_state") if s is not None)
-        grid = {
-            name: torch.cartesian_prod(torch.arange(r), torch.arange(c)).T
-            for name, (r, c) in controller.targets.items()
-        }
-        rollout = controller.rollout.call("weights_at", {name: (g[0], g[1]) for name, g in grid.items()})[0]
+        evaluation = controller.evaluator.evaluate(3)
+        # a duplicated payload is refused by the version gate; the weight sync resyncs and carries on
+        result = controller.train.train_step(next_batch(controller), 3)
+        duplicate = LowRankPayloads(result.update.payloads * 2)
+        duplicate = controller.weight_sync.sync(duplicate, result.policy_version, step=3)
+        master = controller.train.full_state()
+        grid = target_grid(controller)
+        rollout = controller.rollout.weights_at(grid)[0]
     finally:
         controller.teardown()
 
@@ -84,7 +100,7 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}
     assert duplicate["sync/refused"] == 1 and duplicate["sync/full_resync_bytes"] > 0
     assert duplicate["sync/weight_max_abs_diff"] == 0.0
-    for name, (rows, cols) in ((n, (g[0], g[1])) for n, g in grid.items()):
+    for name, (rows, cols) in grid.items():
         expected = master[f"{name}.weight"][rows, cols].to(torch.bfloat16).float()
         assert torch.equal(rollout[name], expected), name
 
@@ -118,9 +134,9 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
     controller.setup()
     try:
-        assert len(controller.resync_buckets) > 2
+        assert len(controller.weight_sync.buckets) > 2
         history = [controller.step(step) for step in range(2)]
-        master = next(s for s in controller.train.call("full_state") if s is not None)
+        master = controller.train.full_state()
     finally:
         controller.teardown()
     assert "model.layers.0.self_attn.q_proj.weight" in master and not any("lora" in k for k in master)
@@ -136,3 +152,35 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     ).abs()
     assert float(moved.max()) > 0  # the adapters moved the merged weight ...
     assert torch.equal(master["model.embed_tokens.weight"], original["model.embed_tokens.weight"])  # ... only there
+
+
+def test_a_skipped_logra_update_changes_and_sends_nothing(tmp_path, quickstart_model):
+    """Non-finite advantages make a non-finite sketch: the update is skipped (NoChange), no payload and no
+    resync reach the engines, whose weights and versions stay as they were; the next step goes on."""
+    overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
+    controller.setup()
+    try:
+        controller.step(0)
+        grid = target_grid(controller)
+        versions, before = list(controller.weight_sync.engine_versions), controller.rollout.weights_at(grid)
+        master_before = controller.train.weights_at(grid)
+        batch = next_batch(controller, prompts=8, advantages=torch.full((8,), float("nan")))
+        result = controller.train.train_step(batch, 1)
+        sync = controller.weight_sync.sync(result.update, result.policy_version, step=1)
+        after, master_after = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
+        versions_after = list(controller.weight_sync.engine_versions)
+        following = controller.step(2)
+    finally:
+        controller.teardown()
+    assert isinstance(result.update, NoChange) and "NaN or Inf" in result.update.reason
+    assert result.policy_version == 1 and result.metrics["actor/skipped"] == 1.0
+    assert "logra/alpha" not in result.metrics
+    assert sync["sync/payload_bytes"] == 0 and sync["sync/full_resync_bytes"] == 0 and sync["sync/refused"] == 0
+    assert sync["sync/weight_max_abs_diff"] == 0.0
+    assert versions == versions_after == [1]
+    for name in grid:
+        assert torch.equal(before[0][name], after[0][name]), name
+        assert torch.equal(master_before[name], master_after[name]), name
+    assert following["policy/version"] == 2.0 and following["sync/payload_bytes"] > 0
+    assert following["sync/weight_max_abs_diff"] == 0.0

@@ -5,10 +5,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
-from logra_rl.rollout import SamplingParams
+from logra_rl.rollout import EngineSpec, SamplingParams
 from logra_rl.rollout.hf_engine import HFEngine
 
 TARGETS = LoGRAConfig().target_modules
+
+
+def hf_engine(path, dtype: str, residual: str) -> HFEngine:
+    spec = EngineSpec(str(path), dtype, residual, TARGETS, merge_chunk_rows=256, device="cpu")
+    return HFEngine(spec)
 
 
 def prompts(engine, digits=(1, 5, 9)):
@@ -20,7 +25,7 @@ def prompts(engine, digits=(1, 5, 9)):
 
 
 def test_generate_returns_the_sampling_logprobs(quickstart_model):
-    engine = HFEngine(quickstart_model, "float32", "none", TARGETS)
+    engine = hf_engine(quickstart_model, "float32", "none")
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=4, n=2)
     completions = engine.generate(prompts(engine), params, seed=3)
     assert len(completions) == 6
@@ -37,7 +42,7 @@ def test_generate_returns_the_sampling_logprobs(quickstart_model):
 
 
 def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
-    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    engine = hf_engine(quickstart_model, "bfloat16", "float32")
     trainer = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32)
     opt = LoGRAOptimizer(trainer, LoGRAConfig(rank=8, seed=2, update_ratio=1e-3))
     engine.load_weights(trainer.state_dict(), version=0)
@@ -65,7 +70,7 @@ def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
 
 
 def test_full_resync_resets_version_and_weights(quickstart_model):
-    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    engine = hf_engine(quickstart_model, "bfloat16", "float32")
     master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
     master = {k: v + 0.01 for k, v in master.items()}
     result = engine.load_weights(master, version=7)
@@ -75,7 +80,7 @@ def test_full_resync_resets_version_and_weights(quickstart_model):
 
 
 def test_resync_in_buckets_sets_the_version_only_when_every_weight_arrived(quickstart_model):
-    engine = HFEngine(quickstart_model, "bfloat16", "float32", TARGETS)
+    engine = hf_engine(quickstart_model, "bfloat16", "float32")
     master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
     master = {k: v + 0.01 for k, v in master.items()}
     keys = list(master)
@@ -106,7 +111,7 @@ def test_resync_of_a_tied_model_sends_the_shared_embedding_once(tmp_path):
     model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = HFEngine(str(tmp_path), "bfloat16", "float32", TARGETS)
+    engine = hf_engine(str(tmp_path), "bfloat16", "float32")
     master = {k: v + 0.01 for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
     assert engine.load_weights(master, version=2).version == 2

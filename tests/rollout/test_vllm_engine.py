@@ -14,7 +14,8 @@ from logra_rl.config import RunConfig  # noqa: E402
 from logra_rl.logra import PayloadMerger  # noqa: E402
 from logra_rl.orchestration.controller import Controller  # noqa: E402
 from logra_rl.rollout.vllm_worker import in_place_targets  # noqa: E402
-from tests.orchestration.test_controller import run_config  # noqa: E402
+from logra_rl.train.api import LowRankPayloads  # noqa: E402
+from tests.orchestration.test_controller import next_batch, run_config  # noqa: E402
 from tests.rollout.test_vllm_layers import vllm_layer  # noqa: E402
 from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer, payload_for, updated  # noqa: E402
 
@@ -33,13 +34,11 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
     controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
     controller.setup()
     try:
-        assert len(controller.resync_buckets) > 2
+        assert len(controller.weight_sync.buckets) > 2
         history = [controller.step(step) for step in range(3)]
-        prompts = controller.sampler.next_batch(16)
-        completions = controller.generate(prompts, controller.sampling(), seed=5)
-        rewards, _ = controller.grade(prompts, completions)
-        _, payloads = controller.train_on(controller.pack(completions, controller.advantages(rewards, completions)), 3)
-        duplicate = controller.sync(payloads + payloads, step=3)  # the second copy is refused → full resync
+        result = controller.train.train_step(next_batch(controller), 3)
+        twice = LowRankPayloads(result.update.payloads * 2)  # the second copy is refused → full resync
+        duplicate = controller.weight_sync.sync(twice, result.policy_version, step=3)
         history.append(controller.step(4))
     finally:
         controller.teardown()

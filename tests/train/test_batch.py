@@ -29,10 +29,10 @@ def test_microbatches_respect_the_token_budget_and_keep_every_row_once():
 
 
 def test_token_logprobs_in_chunks_equal_the_full_log_softmax(monkeypatch):
-    import logra_rl.train.worker as worker
+    import logra_rl.rl.logprobs as logprobs
 
-    monkeypatch.setattr(worker, "LOGPROB_CHUNK", 3)
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3)
     logits = torch.randn(2, 8, 11)
     ids = torch.randint(0, 11, (2, 8))
     expected = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(worker.token_logprobs(logits, ids, 0.7), expected)
+    torch.testing.assert_close(logprobs.token_logprobs(logits, ids, 0.7), expected)

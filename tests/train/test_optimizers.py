@@ -1,6 +1,6 @@
 import pytest
 
-from logra_rl.config import OptimizerConfig
+from logra_rl.config import OptimizerConfig, RunConfig
 from logra_rl.train.optimizers import dense_lr_factor
 
 
@@ -17,19 +17,25 @@ def test_dense_schedule_matches_the_paper_baseline():
 def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones():
     import torch
 
-    from logra_rl.train.optimizers import DenseUpdate
+    from logra_rl.train.api import FullResync, NoChange
+    from logra_rl.train.optimizers import DenseUpdate, KLProbe, UpdateInputs
 
     model = torch.nn.Linear(4, 3)
-    update = DenseUpdate(model, OptimizerConfig(name="dense", lr=1e-2), world_size=2)
+    update = DenseUpdate(model, RunConfig(optimizer=OptimizerConfig(name="dense", lr=1e-2)), world_size=2)
+    probe = KLProbe(forward=model, input_ids=torch.zeros(1, 1), loss_mask=torch.zeros(1, 1))  # unused by dense
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    metrics, payload = update.update(step=0, num_tokens=10)
-    assert payload is None and metrics["actor/skipped"] == 0.0
+    metrics, outcome = update.update(
+        UpdateInputs(step=0, num_tokens=10, mismatch_sum=0, mismatch_tokens=0, probe=probe)
+    )
+    assert outcome == FullResync() and metrics["actor/skipped"] == 0.0 and update.version == 1
     assert metrics["actor/grad_norm"] == pytest.approx((15 * (2 / 10) ** 2) ** 0.5)  # 15 ones × world / tokens
     before = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
-    metrics, _ = update.update(step=1, num_tokens=10)
-    assert metrics["actor/skipped"] == 1.0 and update.update_count == 1
+    metrics, outcome = update.update(
+        UpdateInputs(step=1, num_tokens=10, mismatch_sum=0, mismatch_tokens=0, probe=probe)
+    )
+    assert metrics["actor/skipped"] == 1.0 and isinstance(outcome, NoChange) and update.version == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())

@@ -7,9 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.cluster import WorkerGroup, start_ray
+from logra_rl.orchestration.cluster import start_ray
+from logra_rl.orchestration.train_group import TrainGroup
+from logra_rl.rl import token_logprobs
 from logra_rl.train.batch import TrainBatch
-from logra_rl.train.worker import TrainWorker, token_logprobs
+from logra_rl.train.worker import aggregate_epochs
 from tests.orchestration.test_controller import run_config
 from tests.tiny_models import random_batch, tiny_qwen3
 
@@ -33,15 +35,15 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     )
 
     owns_ray = start_ray(config)
-    group = WorkerGroup(TrainWorker, 2, "train", cpus=1, gpus=1, arguments=lambda rank: (config, str(path), rank, 2))
+    group = TrainGroup(config, str(path))
     try:
-        group.call("setup", *ray.get(group.actors[0].address.remote()))
-        state = next(s for s in group.call("full_state") if s is not None)
-        logprobs = group.call("logprobs", batch)
-        buckets = group.call("state_buckets", 20_000)[0]  # smaller than a layer (~200 kB) or lm_head (26 kB)
-        parts = [next(s for s in group.call("full_state", keys) if s is not None) for keys, _ in buckets]
+        assert group.setup() == 0  # policy version
+        state = group.full_state()
+        logprobs = group.workers.gather([a.logprobs.remote(batch) for a in group.actors])
+        buckets = group.resync_buckets(20_000)  # smaller than a layer (~200 kB) or lm_head (26 kB)
+        parts = [ray.get(group.resync_bucket(bucket)) for bucket in buckets]
     finally:
-        group.kill()
+        group.shutdown()
         if owns_ray:
             ray.shutdown()
 
@@ -53,12 +55,28 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         want = token_logprobs(reference(input_ids=input_ids).logits, input_ids, config.rollout.temperature)
     # a full resync's buckets: every weight once, a layer (a LoRA module with its adapters) never split
     assert len(buckets) >= 4
-    layers = [{k.split(".layers.")[1].split(".")[0] for k in keys if ".layers." in k} for keys, _ in buckets]
+    layers = [{k.split(".layers.")[1].split(".")[0] for k in b.keys if ".layers." in k} for b in buckets]
     assert all(len(numbers) <= 1 for numbers in layers) and len(set().union(*layers)) == 2
     joined = {k: v for part in parts for k, v in part.items()}
     assert sum(len(part) for part in parts) == len(joined) == len(state) - 1  # tied lm_head goes once, as embed
     assert "lm_head.weight" not in joined
     assert all(torch.equal(joined[name], value) for name, value in state.items() if name != "lm_head.weight")
-    assert [size for _, size in buckets] == [sum(v.numel() * 4 for v in part.values()) for part in parts]
+    assert [b.nbytes for b in buckets] == [sum(v.numel() * 4 for v in part.values()) for part in parts]
     for got in logprobs:  # rotary frequencies (buffers, not in the state dict) reached rank 1 too
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
+
+
+def test_ppo_epochs_metrics_are_aggregated_over_every_epoch():
+    """Counts and times add up over the epochs; every other metric is the mean over the epochs reporting it."""
+    epochs = [
+        {"actor/loss": 0.5, "actor/clip_frac": 0.0, "actor/skipped": 0.0, "timing_s/probe": 1.0, "logra/alpha": 2.0},
+        {"actor/loss": 0.25, "actor/clip_frac": 0.5, "actor/skipped": 1.0},  # a skipped LoGRA update
+        {"actor/loss": 0.0, "actor/clip_frac": 0.25, "actor/skipped": 0.0, "timing_s/probe": 0.5, "logra/alpha": 1.0},
+    ]
+    assert aggregate_epochs(epochs) == {
+        "actor/loss": 0.25,
+        "actor/clip_frac": 0.25,
+        "actor/skipped": 1.0,
+        "timing_s/probe": 1.5,
+        "logra/alpha": 1.5,
+    }

@@ -1,0 +1,33 @@
+"""Where a run's policy comes from, and what LoGRA will train in it, known before any actor starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from logra_rl.config import RunConfig
+from logra_rl.logra import LoGRAConfig, check_rank, find_targets
+from logra_rl.models.tiny import build_quickstart_model
+
+
+def resolve_model_path(config: RunConfig, run_dir: Path) -> str:
+    """`model.path`, or the quickstart's tiny model built (once, seeded) into `<run_dir>/base_model`."""
+    model = config.model
+    if model.builder == "quickstart":
+        path = Path(run_dir) / "base_model"
+        if not (path / "config.json").exists():
+            build_quickstart_model(path, seed=config.trainer.seed)
+        return str(path)
+    return model.path
+
+
+def target_shapes(model_path: str, config: LoGRAConfig) -> dict[str, tuple[int, int]]:
+    """HF names and (d_out, k_in) of the LoGRA targets, read from the model config without loading weights;
+    raises on no match or a rank above a target's size, so the run stops before anything starts."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    modules = find_targets(model, config.target_modules)
+    check_rank(modules, config.rank)
+    return {name: tuple(m.weight.shape) for name, m in modules}

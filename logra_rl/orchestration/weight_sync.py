@@ -1,0 +1,104 @@
+"""WeightSync: every way the trainer's weights reach the rollout engines (DESIGN.md §4).
+
+- a step's `LowRankPayloads` are broadcast to every engine, in order; each engine version-gates them;
+- a refused payload, a dense / LoRA update (`FullResync`), an engine left at another version, or the
+  periodic `rollout.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets
+  through Ray's object store, and the engines load bf16(master) with exact residuals;
+- `NoChange` (every update skipped) sends nothing;
+- after every sync the drift probe compares engine weights with bf16(master) at seeded coordinates.
+
+It keeps each engine's last reported version; the train group owns the version itself.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from logra_rl.config import RunConfig
+from logra_rl.orchestration.rollout_group import RolloutGroup
+from logra_rl.orchestration.train_group import TrainGroup
+from logra_rl.rollout import SyncResult
+from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
+from logra_rl.utils.seeding import DRIFT_STREAM, stream_seed
+
+
+class WeightSync:
+    def __init__(
+        self,
+        config: RunConfig,
+        train: TrainGroup,
+        rollout: RolloutGroup,
+        targets: dict[str, tuple[int, int]],
+    ) -> None:
+        self.config = config
+        self.train = train
+        self.rollout = rollout
+        self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift probe looks
+        self.buckets = train.resync_buckets(int(config.rollout.resync_bucket_mb * 2**20))
+        self.engine_versions = [-1] * len(rollout)  # -1: not loaded yet
+
+    def full_resync(self, version: int) -> float:
+        """Load bf16(master) (with exact residuals) into every engine; returns the bytes moved per engine.
+
+        The fp32 master streams in buckets (`rollout.resync_bucket_mb`): train rank 0 gathers one into
+        Ray's object store, the engines read it from there; no process holds the whole fp32 model.
+        """
+        results: list[SyncResult] = []
+        for index, bucket in enumerate(self.buckets):
+            state = self.train.resync_bucket(bucket)
+            results = self.rollout.load_weights(state, version, index, len(self.buckets))
+            del state  # frees it in the object store before the next one is gathered
+        self._record(results)
+        stale = [v for v in self.engine_versions if v != version]
+        if stale:
+            raise RuntimeError(f"full resync left engines at versions {stale}, not {version}")
+        return float(sum(bucket.nbytes for bucket in self.buckets))
+
+    def sync(self, update: WeightUpdate, version: int, step: int) -> dict[str, float]:
+        """Bring every engine to `version` after `update`; resync fully on refusal, for dense/LoRA updates
+        and every `rollout.resync_every` steps. Returns the sync/* metrics, drift probe included."""
+        resync_every = self.config.rollout.resync_every
+        needs_resync = isinstance(update, FullResync) or bool(resync_every and (step + 1) % resync_every == 0)
+        refused, payload_bytes = 0, 0.0
+        if isinstance(update, LowRankPayloads):
+            for payload in update.payloads:
+                payload_bytes += len(payload)
+                results = self.rollout.apply_payload(ray.put(payload))
+                self._record(results)
+                refused += sum(not r.applied for r in results)
+                if refused:
+                    break
+        elif not isinstance(update, FullResync | NoChange):
+            raise TypeError(f"unknown weight update {update!r}")
+        # a refusal leaves the engine needing a resync even when its version is right (a duplicate payload)
+        needs_resync = needs_resync or refused > 0 or any(v != version for v in self.engine_versions)
+        return {
+            "sync/payload_bytes": payload_bytes,
+            "sync/refused": float(refused),
+            "sync/full_resync_bytes": self.full_resync(version) if needs_resync else 0.0,
+            "sync/weight_max_abs_diff": self.drift(step),
+        }
+
+    def _record(self, results: list[SyncResult]) -> None:
+        self.engine_versions = [r.version for r in results]
+
+    def drift(self, step: int) -> float:
+        """max |W_rollout − bf16(master)| at seeded coordinates of every target (0 with an fp32 residual)."""
+        generator = torch.Generator().manual_seed(stream_seed(self.config.trainer.seed, step, DRIFT_STREAM) % 2**63)
+        count = self.config.rollout.probe_coordinates
+        coordinates = {
+            name: (
+                torch.randint(rows, (count,), generator=generator),
+                torch.randint(cols, (count,), generator=generator),
+            )
+            for name, (rows, cols) in self.targets.items()
+        }
+        masters = self.train.weights_at(coordinates)
+        dtype = getattr(torch, self.config.rollout.dtype)
+        worst = 0.0
+        for engine in self.rollout.weights_at(coordinates):
+            for name, values in engine.items():  # an engine in full-resync mode cannot read its weights
+                difference = (values - masters[name].to(dtype).float()).abs()
+                worst = max(worst, float("inf") if difference.isnan().any() else float(difference.max()))
+        return worst

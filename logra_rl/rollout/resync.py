@@ -1,0 +1,32 @@
+"""A full resync arriving in buckets: the part every engine shares, whatever holds its weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from logra_rl.logra import PayloadMerger
+
+
+class BucketedResync:
+    """A full resync arriving in buckets of HF-named fp32 master weights: loads the merger's targets as
+    their bucket arrives, and lets the last bucket set the version only if every weight has arrived."""
+
+    def __init__(self, merger: PayloadMerger, weight_names: Iterable[str]) -> None:
+        self.merger = merger
+        self.weight_names = frozenset(weight_names)
+        self.pending: set[str] = set()
+
+    def receive(self, state: Mapping[str, torch.Tensor], version: int, bucket: int, buckets: int) -> None:
+        """Bucket `bucket` of `buckets`; the engine has already loaded `state` into its own weights."""
+        if bucket == 0:
+            self.merger.begin_resync()
+            self.pending = set(self.weight_names)
+        self.pending -= state.keys()
+        targets = self.merger.targets
+        self.merger.load({name: state[f"{name}.weight"] for name in targets if f"{name}.weight" in state})
+        if bucket == buckets - 1:
+            if self.pending:
+                raise KeyError(f"full resync ended without weights {sorted(self.pending)[:4]}")
+            self.merger.finish_resync(version)

@@ -1,0 +1,14 @@
+"""Seeds derived from (run seed, step, stream), so each use of randomness in a step is independent and a
+resumed or replayed step draws exactly the same numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROLLOUT_STREAM = 0  # the step's rollout sampling
+DRIFT_STREAM = 1  # the drift probe's weight coordinates
+EVAL_STREAM = 2  # the eval's sampling
+
+
+def stream_seed(seed: int, step: int, stream: int) -> int:
+    return int(np.random.SeedSequence([seed, step, stream]).generate_state(1)[0])
