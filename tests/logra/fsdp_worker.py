@@ -2,7 +2,7 @@
 
 Rank r trains on rows [2r, 2r+2) of the global batch, one row per microbatch. Rank 0 writes
 what the test compares with a single-process run: reduced sketches, directions, the KL probe,
-the committed full weights, and which global rows each rank changed.
+the committed factors U and full weights, and which global rows each rank changed.
 """
 
 import sys
@@ -50,7 +50,7 @@ def main(out_path: str) -> None:
     q = opt.probe_kl(lambda ids: model(input_ids=ids).logits, rows, mask, TEMPERATURE)
 
     before = {t.name: local_rows(t.module.weight)[0].clone() for t in opt.targets}
-    opt.commit(ALPHA)
+    payload = opt.commit(ALPHA)
     changed = {}
     for t in opt.targets:
         local, offset = local_rows(t.module.weight)
@@ -78,6 +78,7 @@ def main(out_path: str) -> None:
                 "directions": directions,
                 "q": q,
                 "weights": full,
+                "factors": [entry.factor for entry in payload.entries],
                 "changed_by_rank": changed_by_rank,
                 "bf16_sketch": bf16_sketch,
                 "bf16_weights": bf16_full,

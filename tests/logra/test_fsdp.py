@@ -32,8 +32,9 @@ def single_process_step():
     # under FSDP each rank probes its first probe_responses (2) rows: all 4 rows of the global batch
     total, count = jvp_kl(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK, opt.proposal(), TEMPERATURE)
     q = float(total / count)
-    opt.commit(ALPHA)
-    return opt, model, sketches, directions, q
+    projections = [t.projection.clone() for t in opt.targets]
+    factors = [entry.factor for entry in opt.commit(ALPHA).entries]
+    return opt, model, sketches, directions, q, projections, factors
 
 
 def test_fsdp2_step_matches_single_process(tmp_path):
@@ -57,7 +58,7 @@ def test_fsdp2_step_matches_single_process(tmp_path):
         raise
     assert process.returncode == 0, stderr[-3000:]
     sharded = torch.load(out, weights_only=True)
-    opt, model, sketches, directions, q = single_process_step()
+    opt, _, sketches, directions, q, projections, factors = single_process_step()
 
     assert sharded["names"] == [t.name for t in opt.targets]
     for name, a, b in zip(sharded["names"], sharded["sketches"], sketches, strict=True):
@@ -65,8 +66,17 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     for a, b in zip(sharded["directions"], directions, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-9)
     assert abs(sharded["q"] - q) / q < 1e-5
-    for name, weight in model.state_dict().items():
-        torch.testing.assert_close(sharded["weights"][name], weight, rtol=1e-6, atol=1e-8, msg=name)
+    # U = bf16(α·D): directions summed in another order may round to the neighbouring bf16 value, no further
+    for a, b in zip(sharded["factors"], factors, strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert bool(((a.float() - b.float()).abs() <= b.float().abs() * 2**-7).all())  # one bf16 ulp at most
+    # every rank merged its own rows with the group's one U: W = W0 − U·A on every target, W0 elsewhere
+    initial = tiny_qwen3(seed=MODEL_SEED).state_dict()
+    merged = zip(opt.targets, sharded["factors"], projections, strict=True)
+    step = {f"{t.name}.weight": u.float() @ a for t, u, a in merged}
+    for name, weight in initial.items():
+        expected = weight - step[name] if name in step else weight
+        torch.testing.assert_close(sharded["weights"][name], expected, rtol=1e-6, atol=1e-8, msg=name)
 
     # each rank changed exactly its own row block; together they cover every row once
     for target in opt.targets:
