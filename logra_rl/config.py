@@ -1,12 +1,11 @@
 """The run configuration: one frozen dataclass per Hydra group, validated when built.
 
-Hydra composes YAML (`configs/`); `RunConfig.from_hydra` turns the result into these
+Hydra composes YAML (`configs/`); `RunConfig.from_mapping` turns the result into these
 dataclasses, so a misspelt key or a bad value fails at start-up with one line naming it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,19 +15,10 @@ from omegaconf.errors import MissingMandatoryValue
 from logra_rl.data import DataConfig
 from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
 from logra_rl.logra.merge import RESIDUAL_DTYPES
-from logra_rl.utils.structs import from_mapping
+from logra_rl.utils.structs import check, check_choice, check_fraction, check_positive, check_positive_int, from_mapping
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _check(condition: bool, key: str, value: Any, rule: str) -> None:
-    if not condition:
-        raise ValueError(f"config: {key}={value!r} is invalid; {rule}")
-
-
-def _positive_int(key: str, value: Any) -> None:
-    _check(isinstance(value, int) and value > 0, key, value, "give a positive integer")
 
 
 @dataclass(frozen=True)
@@ -42,14 +32,14 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             (self.path is None) != (self.builder is None),
             "model.path",
             self.path,
             "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart)",
         )
-        _check(self.builder in (None, "quickstart"), "model.builder", self.builder, "the only builder is 'quickstart'")
-        _check(self.compute_dtype in ("auto", *DTYPES), "model.compute_dtype", self.compute_dtype, f"one of {DTYPES}")
+        check(self.builder in (None, "quickstart"), "model.builder", self.builder, "the only builder is 'quickstart'")
+        check_choice("model.compute_dtype", self.compute_dtype, ("auto", *DTYPES))
 
 
 @dataclass(frozen=True)
@@ -73,23 +63,18 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6  # vllm only: share of the engine's GPU for weights + KV cache
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use rollout=hf or rollout=vllm")
-        _check(
-            0 < self.gpu_memory_utilization <= 1,
-            "rollout.gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "must be in (0, 1]",
-        )
+        check(self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use rollout=hf or rollout=vllm")
+        check_fraction("rollout.gpu_memory_utilization", self.gpu_memory_utilization)
         for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
-            _positive_int(f"rollout.{key}", getattr(self, key))
-        _check(self.dtype in DTYPES, "rollout.dtype", self.dtype, f"one of {DTYPES}")
-        _check(self.residual in RESIDUAL_DTYPES, "rollout.residual", self.residual, "float32|bfloat16|none")
+            check_positive_int(f"rollout.{key}", getattr(self, key))
+        check_choice("rollout.dtype", self.dtype, DTYPES)
+        check_choice("rollout.residual", self.residual, RESIDUAL_DTYPES)
         for key in ("temperature", "eval_temperature"):
-            _check(getattr(self, key) > 0, f"rollout.{key}", getattr(self, key), "must be > 0")
+            check_positive(f"rollout.{key}", getattr(self, key))
         for key in ("top_p", "eval_top_p"):
-            _check(0 < getattr(self, key) <= 1, f"rollout.{key}", getattr(self, key), "must be in (0, 1]")
-        _check(self.resync_every >= 0, "rollout.resync_every", self.resync_every, "must be >= 0")
-        _check(self.resync_bucket_mb > 0, "rollout.resync_bucket_mb", self.resync_bucket_mb, "must be > 0")
+            check_fraction(f"rollout.{key}", getattr(self, key))
+        check(self.resync_every >= 0, "rollout.resync_every", self.resync_every, "must be >= 0")
+        check_positive("rollout.resync_bucket_mb", self.resync_bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -110,17 +95,17 @@ class OptimizerConfig:
     lora_targets: tuple[str, ...] = DEFAULT_TARGET_MODULES
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.name in ("logra", "dense", "lora"),
             "optimizer.name",
             self.name,
             "use optimizer=logra, optimizer=dense or optimizer=lora",
         )
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        _positive_int("optimizer.lora_rank", self.lora_rank)
+        check_positive_int("optimizer.lora_rank", self.lora_rank)
         object.__setattr__(self, "betas", tuple(self.betas))
-        _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "must be > 0")
-        _check(
+        check_positive("optimizer.lr", self.lr)
+        check(
             self.schedule_steps > self.warmup_steps >= 0,
             "optimizer.warmup_steps",
             self.warmup_steps,
@@ -148,26 +133,24 @@ class AlgorithmConfig:
     grpo_normalize_std: bool = True
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.estimator in ("running_baseline", "grpo"),
             "algorithm.estimator",
             self.estimator,
             "running_baseline or grpo",
         )
-        _check(self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "must be > 0")
-        _check(0 < self.baseline_weight <= 1, "algorithm.baseline_weight", self.baseline_weight, "must be in (0, 1]")
-        _check(
+        check_positive("algorithm.tis_cap", self.tis_cap)
+        check_fraction("algorithm.baseline_weight", self.baseline_weight)
+        check(
             self.length_reference is None or self.length_reference > 0,
             "algorithm.length_reference",
             self.length_reference,
             "must be > 0 tokens, or null to turn length weighting off",
         )
-        _check(
-            self.clip_low is None or 0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "must be in [0, 1)"
-        )
-        _check(self.clip_high is None or self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "must be >= 0")
-        _positive_int("algorithm.epochs", self.epochs)
-        _check(
+        check(self.clip_low is None or 0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "must be in [0, 1)")
+        check(self.clip_high is None or self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "must be >= 0")
+        check_positive_int("algorithm.epochs", self.epochs)
+        check(
             self.epochs == 1 or self.clip_low is not None or self.clip_high is not None,
             "algorithm.epochs",
             self.epochs,
@@ -191,8 +174,8 @@ class ClusterConfig:
     cpus_per_worker: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive_int("cluster.train_workers", self.train_workers)
-        _check(self.device in DEVICES, "cluster.device", self.device, f"one of {DEVICES}")
+        check_positive_int("cluster.train_workers", self.train_workers)
+        check_choice("cluster.device", self.device, DEVICES)
 
 
 @dataclass(frozen=True)
@@ -214,9 +197,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         for key in ("total_steps", "prompts_per_step", "micro_batch_tokens", "keep_checkpoints", "grader_workers"):
-            _positive_int(f"trainer.{key}", getattr(self, key))
+            check_positive_int(f"trainer.{key}", getattr(self, key))
         for key in ("eval_every", "checkpoint_every"):
-            _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "must be >= 0 (0 disables)")
+            check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "must be >= 0 (0 disables)")
 
 
 @dataclass(frozen=True)
@@ -230,7 +213,7 @@ class LoggerConfig:
     plot: bool = True
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.wandb_mode in ("disabled", "offline", "online"),
             "logger.wandb_mode",
             self.wandb_mode,
@@ -273,11 +256,11 @@ class RunConfig:
         values = {k: v for k, v in values.items() if k != "hydra"}
         groups = {
             "model": lambda v: from_mapping(ModelConfig, v, "model."),
-            "data": DataConfig.from_dict,
+            "data": lambda v: from_mapping(DataConfig, v, "data."),
             "rollout": lambda v: from_mapping(RolloutConfig, v, "rollout."),
             "optimizer": lambda v: from_mapping(OptimizerConfig, v, "optimizer."),
             "algorithm": lambda v: from_mapping(AlgorithmConfig, v, "algorithm."),
-            "logra": lambda v: LoGRAConfig.from_dict(v or {}),
+            "logra": lambda v: from_mapping(LoGRAConfig, v, "logra."),
             "cluster": lambda v: from_mapping(ClusterConfig, v, "cluster."),
             "ray": lambda v: from_mapping(RayConfig, v, "ray."),
             "trainer": lambda v: from_mapping(TrainerConfig, v, "trainer."),
@@ -289,20 +272,20 @@ class RunConfig:
             raise ValueError(f"config: unknown top-level key(s) {unknown}; the groups are {sorted(groups)}")
         built = {name: build(values.get(name) or {}) for name, build in groups.items()}
         rows = built["trainer"].prompts_per_step * built["rollout"].n
-        _check(
+        check(
             rows >= built["cluster"].train_workers,
             "trainer.prompts_per_step",
             built["trainer"].prompts_per_step,
             f"each of the {built['cluster'].train_workers} train workers needs at least one response per step",
         )
-        _check(
+        check(
             built["algorithm"].estimator != "grpo" or built["rollout"].n >= 2,
             "rollout.n",
             built["rollout"].n,
             "GRPO compares responses within a group: set rollout.n >= 2",
         )
         probe_tokens = built["logra"].kl.probe_max_tokens
-        _check(
+        check(
             probe_tokens > built["data"].max_prompt_length,
             "logra.kl.probe_max_tokens",
             probe_tokens,

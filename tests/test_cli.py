@@ -34,7 +34,7 @@ def stable(record):
         (["trainer.total_stepz=3"], "unknown key 'trainer.total_stepz': trainer has ['checkpoint_every'"),
         (["logra.kl.budjet=1"], "unknown key 'logra.kl.budjet': logra.kl has ['alpha_max', 'budget'"),
         (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra', 'lora']"),
-        (["logra.rank=0"], "logra config: rank=0 is invalid"),
+        (["logra.rank=0"], "config: logra.rank=0 is invalid"),
         (["model=hf"], "model.path is required"),
     ],
 )

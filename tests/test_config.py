@@ -61,7 +61,7 @@ def test_default_is_the_quickstart():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["logra.rank=0"], "logra config: rank=0 is invalid"),
+        (["logra.rank=0"], "config: logra.rank=0 is invalid"),
         (["rollout.top_p=1.5"], "rollout.top_p=1.5 is invalid"),
         (["optimizer.name=sgd"], "optimizer.name='sgd' is invalid"),
         (["cluster.train_workers=0"], "cluster.train_workers=0 is invalid"),

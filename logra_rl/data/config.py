@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from logra_rl.utils.structs import from_mapping
+from logra_rl.utils.structs import check, check_positive_int, from_mapping
 
 REASONING_GYM_KEYS = ("datasets", "config")
 
@@ -55,40 +55,35 @@ class DataConfig:
         for name in ("train_files", "val_files"):
             value = getattr(self, name)
             files = [value] if isinstance(value, str) else list(value)
-            if not all(isinstance(f, str) and f for f in files):
-                raise ValueError(f"data config: {name}={value!r} is invalid; give a list of file paths")
+            check(all(isinstance(f, str) and f for f in files), f"data.{name}", value, "give a list of file paths")
             object.__setattr__(self, name, files)
         for name in ("task", "prompt_key", "answer_key"):
             value = getattr(self, name)
-            if not (isinstance(value, str) and value):
-                raise ValueError(f"data config: {name}={value!r} is invalid; give a non-empty string")
+            check(isinstance(value, str) and bool(value), f"data.{name}", value, "give a non-empty string")
         for name in ("reward", "system_prompt"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"data config: {name}={value!r} is invalid; give a string or null")
-        if not (isinstance(self.seed, int) and self.seed >= 0):
-            raise ValueError(f"data config: seed={self.seed!r} is invalid; give a non-negative integer")
+            check(value is None or isinstance(value, str), f"data.{name}", value, "give a string or null")
+        check(isinstance(self.seed, int) and self.seed >= 0, "data.seed", self.seed, "give a non-negative integer")
         for name in ("train_size", "eval_size"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 0):
-                raise ValueError(f"data config: {name}={value!r} is invalid; give a non-negative integer or null")
+            ok = value is None or (isinstance(value, int) and value >= 0)
+            check(ok, f"data.{name}", value, "give a non-negative integer or null")
         for name in ("max_prompt_length", "max_response_length"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"data config: {name}={value!r} is invalid; give a positive number of tokens")
-        if not isinstance(self.reasoning_gym, Mapping):
-            raise ValueError(
-                f"data config: reasoning_gym={self.reasoning_gym!r} is invalid; give a mapping with keys "
-                f"{list(REASONING_GYM_KEYS)}"
-            )
+            check_positive_int(f"data.{name}", getattr(self, name))
+        check(
+            isinstance(self.reasoning_gym, Mapping),
+            "data.reasoning_gym",
+            self.reasoning_gym,
+            f"give a mapping with keys {list(REASONING_GYM_KEYS)}",
+        )
         unknown = sorted(set(self.reasoning_gym) - set(REASONING_GYM_KEYS))
         if unknown:
             raise ValueError(
-                f"data config: unknown key(s) {['reasoning_gym.' + k for k in unknown]}; valid keys are "
-                f"{['reasoning_gym.' + k for k in REASONING_GYM_KEYS]}"
+                f"config: unknown key(s) {['data.reasoning_gym.' + k for k in unknown]}; valid keys are "
+                f"{['data.reasoning_gym.' + k for k in REASONING_GYM_KEYS]}"
             )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataConfig:
-        """Build from a plain mapping or an OmegaConf node; unknown keys are an error."""
+        """Build from a plain mapping (an OmegaConf node as a container); unknown keys are an error."""
         return from_mapping(cls, values, "data.")

@@ -1,34 +1,31 @@
 """LoGRA configuration: the method's knobs, with the reference port's defaults.
 
-Every field is validated on construction; a bad value raises ValueError naming the field.
-`from_dict` rejects unknown keys so a typo in a Hydra override cannot be silently ignored.
+Every field is validated on construction; a bad value raises ValueError naming the field as a
+Hydra override names it (`logra.rank`, `logra.kl.budget`). `from_dict` rejects unknown keys so a
+typo in an override cannot be silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from logra_rl.utils.structs import (
+    check,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_positive,
+    check_positive_int,
+    from_mapping,
+)
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DISTRIBUTIONS = ("rademacher", "gaussian")
 WIRE_DTYPES = ("bfloat16", "float32")
 KL_SCHEDULES = ("cosine", "constant")
 KL_ESTIMATORS = ("jvp", "finite_difference")
-
-
-def _require(condition: bool, name: str, value: Any, rule: str) -> None:
-    if not condition:
-        raise ValueError(f"logra config: {name}={value!r} is invalid; {rule}")
-
-
-def _positive(name: str, value: float) -> None:
-    _require(isinstance(value, int | float) and math.isfinite(value) and value > 0, name, value, "must be > 0")
-
-
-def _fraction(name: str, value: float) -> None:
-    _require(isinstance(value, int | float) and 0 < value <= 1, name, value, "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -49,29 +46,18 @@ class KLConfig:
     mismatch_budget_floor: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive("kl.budget", self.budget)
-        _positive("kl.final_budget", self.final_budget)
-        _require(self.schedule in KL_SCHEDULES, "kl.schedule", self.schedule, f"choose one of {KL_SCHEDULES}")
-        _require(
-            isinstance(self.schedule_steps, int) and self.schedule_steps > 0,
-            "kl.schedule_steps",
-            self.schedule_steps,
-            "must be a positive integer",
-        )
-        _positive("kl.alpha_max", self.alpha_max)
-        _require(self.estimator in KL_ESTIMATORS, "kl.estimator", self.estimator, f"choose one of {KL_ESTIMATORS}")
-        _positive("kl.fd_step", self.fd_step)
-        for name in ("probe_responses", "probe_max_tokens"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"kl.{name}", value, "must be a positive integer")
-        _require(
-            isinstance(self.mismatch_subtraction, bool),
-            "kl.mismatch_subtraction",
-            self.mismatch_subtraction,
-            "must be true or false",
-        )
-        _fraction("kl.mismatch_ema_weight", self.mismatch_ema_weight)
-        _fraction("kl.mismatch_budget_floor", self.mismatch_budget_floor)
+        check_positive("logra.kl.budget", self.budget)
+        check_positive("logra.kl.final_budget", self.final_budget)
+        check_choice("logra.kl.schedule", self.schedule, KL_SCHEDULES)
+        check_positive_int("logra.kl.schedule_steps", self.schedule_steps)
+        check_positive("logra.kl.alpha_max", self.alpha_max)
+        check_choice("logra.kl.estimator", self.estimator, KL_ESTIMATORS)
+        check_positive("logra.kl.fd_step", self.fd_step)
+        check_positive_int("logra.kl.probe_responses", self.probe_responses)
+        check_positive_int("logra.kl.probe_max_tokens", self.probe_max_tokens)
+        check_bool("logra.kl.mismatch_subtraction", self.mismatch_subtraction)
+        check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)
+        check_fraction("logra.kl.mismatch_budget_floor", self.mismatch_budget_floor)
 
 
 @dataclass(frozen=True)
@@ -91,54 +77,36 @@ class LoGRAConfig:
     kl: KLConfig = field(default_factory=KLConfig)
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.rank, int) and self.rank > 0, "rank", self.rank, "must be a positive integer")
-        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "must be a non-negative integer")
-        _require(
-            self.distribution in DISTRIBUTIONS,
-            "distribution",
-            self.distribution,
-            f"choose one of {DISTRIBUTIONS}",
-        )
-        _require(isinstance(self.refresh, bool), "refresh", self.refresh, "must be true or false")
+        check_positive_int("logra.rank", self.rank)
+        check(isinstance(self.seed, int) and self.seed >= 0, "logra.seed", self.seed, "give a non-negative integer")
+        check_choice("logra.distribution", self.distribution, DISTRIBUTIONS)
+        check_bool("logra.refresh", self.refresh)
         targets = self.target_modules
-        if isinstance(targets, str) or not all(isinstance(t, str) and t for t in targets) or not targets:
-            raise ValueError(
-                f"logra config: target_modules={targets!r} is invalid; give a non-empty list of module "
-                f"leaf names, e.g. {list(DEFAULT_TARGET_MODULES)}"
-            )
-        object.__setattr__(self, "target_modules", tuple(targets))
-        _require(isinstance(self.beta2, int | float) and 0 <= self.beta2 < 1, "beta2", self.beta2, "must be in [0, 1)")
-        _positive("epsilon", self.epsilon)
-        _positive("update_ratio", self.update_ratio)
-        _require(self.wire_dtype in WIRE_DTYPES, "wire_dtype", self.wire_dtype, f"choose one of {WIRE_DTYPES}")
-        _require(
-            isinstance(self.merge_chunk_rows, int) and self.merge_chunk_rows > 0,
-            "merge_chunk_rows",
-            self.merge_chunk_rows,
-            "must be a positive integer",
+        check(
+            not isinstance(targets, str) and bool(targets) and all(isinstance(t, str) and t for t in targets),
+            "logra.target_modules",
+            targets,
+            f"give a non-empty list of module leaf names, e.g. {list(DEFAULT_TARGET_MODULES)}",
         )
+        object.__setattr__(self, "target_modules", tuple(targets))
+        check(
+            isinstance(self.beta2, int | float) and 0 <= self.beta2 < 1, "logra.beta2", self.beta2, "must be in [0, 1)"
+        )
+        check_positive("logra.epsilon", self.epsilon)
+        check_positive("logra.update_ratio", self.update_ratio)
+        check_choice("logra.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        check_positive_int("logra.merge_chunk_rows", self.merge_chunk_rows)
         if isinstance(self.kl, dict):
-            object.__setattr__(self, "kl", _from_dict(KLConfig, self.kl, "kl."))
-        _require(isinstance(self.kl, KLConfig), "kl", self.kl, "must be a KLConfig or a mapping")
+            object.__setattr__(self, "kl", from_mapping(KLConfig, self.kl, "logra.kl."))
+        check(isinstance(self.kl, KLConfig), "logra.kl", self.kl, "must be a KLConfig or a mapping")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LoGRAConfig:
-        """Build from a plain mapping (e.g. a Hydra node); unknown keys are an error."""
-        return _from_dict(cls, values, "")
+        """Build from a plain mapping (e.g. a Hydra node as a container); unknown keys are an error."""
+        return from_mapping(cls, values, "logra.")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable form (lists instead of tuples)."""
         values = dataclasses.asdict(self)
         values["target_modules"] = list(self.target_modules)
         return values
-
-
-def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(
-            f"logra config: unknown key(s) {[prefix + k for k in unknown]}; valid keys are "
-            f"{sorted(prefix + k for k in known)}"
-        )
-    return cls(**values)

@@ -13,7 +13,7 @@ Three modes, chosen at start-up:
   and reloads them into vLLM (`reload_weights`) after every payload.
 - resync: targets that are quantized, or whose loaders do not copy the HF tensor as a row block,
   cannot take an in-place merge; every payload is then refused (with the reason, logged once
-  at start-up) and the controller falls back to a full resync per update.
+  at start-up) and the weight sync falls back to a full resync per update.
 """
 
 from __future__ import annotations

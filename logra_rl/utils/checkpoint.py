@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from logra_rl.utils.structs import flatten
+
 # What a resumed run may change: its length, logging, cluster shape, eval and sync cadence, grading
 # resources. Everything else (model, data, algorithm, optimizer, LoGRA, sampling, seed, batch) must match.
 RESUME_MAY_CHANGE = (
@@ -40,22 +42,12 @@ RESUME_MAY_CHANGE = (
 
 def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE)."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     return [
         f"{key}: {old.get(key)!r} → {new.get(key)!r}"
         for key in sorted(old.keys() | new.keys())
         if old.get(key) != new.get(key) and not key.startswith(RESUME_MAY_CHANGE)
     ]
-
-
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class Checkpoints:

@@ -1,20 +1,46 @@
-"""Build frozen config dataclasses from plain mappings (Hydra nodes), rejecting unknown keys."""
+"""Config dataclasses: one set of validation helpers, one builder, one flattening. Pure Python, so the
+pure-torch `logra` library uses them too; callers turn OmegaConf nodes into plain containers first.
+
+Every error names the dotted key a user types as a Hydra override: `config: logra.rank=0 is invalid; ...`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
-
-from omegaconf import OmegaConf
 
 T = TypeVar("T")
 
 
-def from_mapping(cls: type[T], values: Mapping[str, Any] | Any, prefix: str) -> T:
+def check(condition: bool, key: str, value: Any, rule: str) -> None:
+    if not condition:
+        raise ValueError(f"config: {key}={value!r} is invalid; {rule}")
+
+
+def check_positive_int(key: str, value: Any) -> None:
+    check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value, "give a positive integer")
+
+
+def check_positive(key: str, value: Any) -> None:
+    check(isinstance(value, int | float) and math.isfinite(value) and value > 0, key, value, "must be > 0")
+
+
+def check_fraction(key: str, value: Any) -> None:
+    check(isinstance(value, int | float) and 0 < value <= 1, key, value, "must be in (0, 1]")
+
+
+def check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    check(value in choices, key, value, f"choose one of {list(choices)}")
+
+
+def check_bool(key: str, value: Any) -> None:
+    check(isinstance(value, bool), key, value, "must be true or false")
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str) -> T:
     """`cls(**values)` after checking every key is a field; the error names the dotted key and the valid ones."""
-    if OmegaConf.is_config(values):
-        values = OmegaConf.to_container(values, resolve=True)
     if values is None:
         values = {}
     if not isinstance(values, Mapping):

@@ -27,7 +27,7 @@ def test_defaults():
     ("values", "message"),
     [
         ({"train_file": ["a.jsonl"]}, r"unknown key\(s\) \['data.train_file'\]"),
-        ({"reasoning_gym": {"dataset": ["gcd"]}}, r"unknown key\(s\) \['reasoning_gym.dataset'\]"),
+        ({"reasoning_gym": {"dataset": ["gcd"]}}, r"unknown key\(s\) \['data.reasoning_gym.dataset'\]"),
         ({"seed": -1}, "seed=-1"),
         ({"train_size": 2.5}, "train_size=2.5"),
         ({"task": ""}, "task=''"),

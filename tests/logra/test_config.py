@@ -43,14 +43,14 @@ def test_defaults_are_the_reference_port_defaults():
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"logra config: {field}="):
+    with pytest.raises(ValueError, match=rf"config: logra\.{field}="):
         LoGRAConfig(**kwargs)
 
 
 def test_from_dict_round_trip_and_unknown_keys():
     config = LoGRAConfig(rank=8, target_modules=("q_proj",), kl=KLConfig(estimator="finite_difference"))
     assert LoGRAConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rnak'\]"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['logra.rnak'\]"):
         LoGRAConfig.from_dict({"rnak": 8})
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['kl.budjet'\]"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['logra.kl.budjet'\]"):
         LoGRAConfig.from_dict({"kl": {"budjet": 1e-4}})
