@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import MissingMandatoryValue
-
 from logra_rl.data import DataConfig
 from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
 from logra_rl.logra.merge import RESIDUAL_DTYPES
@@ -247,6 +244,9 @@ class RunConfig:
     @classmethod
     def from_mapping(cls, values: Any) -> RunConfig:
         """Validate a composed Hydra config (or a plain mapping); the first problem raises ValueError."""
+        from omegaconf import OmegaConf  # here, not at the top: the workers and gpu_check run without Hydra
+        from omegaconf.errors import MissingMandatoryValue
+
         if OmegaConf.is_config(values):
             try:
                 values = OmegaConf.to_container(values, resolve=True, throw_on_missing=True)

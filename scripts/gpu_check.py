@@ -1,7 +1,11 @@
-"""What only a GPU can show, in one short run: prints a table and writes JSON.
+"""What only a GPU can show, in one short run: prints a table, writes JSON, fails on any failed check.
 
-    python scripts/gpu_check.py                        # on one CUDA GPU, a few minutes
-    python scripts/gpu_check.py --device cpu --small   # the same code paths on a CPU, small shapes
+    python scripts/gpu_check.py --out DIR                        # on one CUDA GPU, a few minutes
+    python scripts/gpu_check.py --device cpu --small --out DIR   # the same code paths on a CPU, small shapes
+
+It needs only torch, transformers, peft, safetensors, numpy and psutil (what a bare GPU machine
+has: no Hydra, OmegaConf, Ray or vLLM), and finds the project from its own path. It writes
+DIR/gpu_check.json, prints one line per failed check and exits 1 if any failed.
 
 1. FSDP2 (nccl on CUDA) with bf16 compute and fp32 masters: one LoGRA step; the bf16-autocast
    sketches vs the fp32 dense gradient sketched with the same A (relative error).
@@ -12,7 +16,12 @@
 4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual).
 5. TrainWorker set-up on the device: rank-0 load, meta-device build, FSDP2, broadcast of the
    shards and buffers; its full state (and its resync buckets) must equal the checkpoint exactly,
-   and its log-probs (bf16 compute) must match a plain fp32 model's.
+   and its log-probs (fp32 compute) must match a plain fp32 model's.
+
+Checks (each must hold): worker state and buckets exact; worker log-probs within 1e-3 of the
+reference; bf16 sketch error below 5% of the fp32 dense gradient's sketch; the in-place apply's
+bf16 weights equal bf16 of an fp32 master merged the trainer's way, bit for bit; on CUDA, the peak
+memory of a LoGRA step below the dense AdamW step's.
 """
 
 from __future__ import annotations
@@ -20,9 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, without PYTHONPATH or an install
 
 import torch
 import torch.distributed as dist
@@ -37,6 +49,7 @@ from logra_rl.logra import (
     PayloadMerger,
     UpdatePayload,
     hf_targets,
+    merge_low_rank_,
     projection_fingerprint,
 )
 
@@ -174,8 +187,10 @@ def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
         "mlp.down_proj": (h, i),
     }
     names = {f"model.layers.0.{leaf}": s for leaf, s in shapes.items()}
-    weights = {name: (torch.randn(s, device=device) * 0.02).to(torch.bfloat16) for name, s in names.items()}
+    masters = {name: torch.randn(s, device=device) * 0.02 for name, s in names.items()}  # the trainer's fp32
+    weights = {name: master.to(torch.bfloat16) for name, master in masters.items()}
     merger = PayloadMerger(hf_targets(weights, "float32"), chunk_rows=4096)
+    merger.resync(masters, version=0)
     entries = tuple(
         PayloadEntry(name, s[0], s[1], (torch.randn(s[0], rank, device=device) * 1e-4).to(torch.bfloat16))
         for name, s in names.items()
@@ -204,11 +219,16 @@ def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
     sync(device)
     seconds = (time.perf_counter() - start) / 3
     generation = timed(lambda: [payloads[0].projection(e) for e in entries], device, repeats=1)
+    for p in payloads:  # the trainer's side of the same four updates, on its fp32 masters
+        for entry in p.entries:
+            merge_low_rank_(masters[entry.name], entry.factor, p.projection(entry), chunk_rows=4096)
+    exact = all(torch.equal(merger.targets[n].weight, masters[n].to(torch.bfloat16)) for n in names)
     return {
         "rank": rank,
         "apply_s": seconds,
         "projection_generation_s": generation,
         "params": sum(s[0] * s[1] for s in names.values()),
+        "exact": exact,
     }
 
 
@@ -216,7 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run)")
-    parser.add_argument("--out", default="bench_results/gpu_check.json")
+    parser.add_argument("--out", default="bench_results", help="directory for gpu_check.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -251,10 +271,39 @@ def main() -> None:
         for key, value in apply_time(device, apply_shape, rank).items():
             if key != "rank":
                 record(f"apply r={rank} {key}", value, "s" if key.endswith("_s") else "")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    failed = failed_checks(results, cuda=device.type == "cuda")
+    results["failed_checks"] = failed
+    out = Path(args.out) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
     dist.destroy_process_group()
+    for line in failed:
+        print(f"FAILED {line}")
+    sys.exit(1 if failed else 0)
+
+
+def failed_checks(results: dict, cuda: bool) -> list[str]:
+    """One line per check that does not hold (the docstring lists them)."""
+    failed = []
+    if not (results["worker_state_exact"] and results["worker_buckets_exact"]):
+        failed.append("worker set-up: the sharded state or its resync buckets differ from the checkpoint")
+    if not results["worker_logprob_max_abs_diff"] <= 1e-3:
+        failed.append(
+            f"worker log-probs differ from the reference by {results['worker_logprob_max_abs_diff']:.3g} > 1e-3"
+        )
+    if not results["sketch_rel_error_bf16"] < 0.05:
+        failed.append(
+            f"bf16 sketch error {results['sketch_rel_error_bf16']:.3g} >= 0.05 of the dense gradient's sketch"
+        )
+    for key in (k for k in results if k.endswith(" exact") and k.startswith("apply")):
+        if not results[key]:
+            failed.append(f"{key}: the in-place bf16 weights differ from bf16 of the trainer-side fp32 merge")
+    if cuda and not results["peak_gib logra r=64"] < results["peak_gib dense"]:
+        failed.append(
+            f"LoGRA r=64 peak {results['peak_gib logra r=64']:.3g} GiB not below dense {results['peak_gib dense']:.3g}"
+        )
+    return failed
 
 
 def fsdp_step(device: torch.device, shape: dict, tokens: int) -> float:
@@ -278,10 +327,8 @@ def fsdp_step(device: torch.device, shape: dict, tokens: int) -> float:
 
 
 def train_worker_setup(device: torch.device, shape: dict) -> dict:
-    """The trainer's own set-up path (TrainWorker, 1 rank) on a 2-layer model of `shape`."""
-    from hydra import compose, initialize_config_module
-
-    from logra_rl.config import RunConfig
+    """The trainer's own set-up path (TrainWorker, 1 rank) on a 2-layer model of `shape`, fp32 compute."""
+    from logra_rl.config import ClusterConfig, ModelConfig, RunConfig
     from logra_rl.rl import token_logprobs
     from logra_rl.train.batch import TrainBatch
     from logra_rl.train.worker import TrainWorker
@@ -290,9 +337,11 @@ def train_worker_setup(device: torch.device, shape: dict) -> dict:
     reference = model_of(shape, layers=2)
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
-        overrides = ["model=hf", f"model.path={directory}", f"cluster.device={device.type}"]
-        with initialize_config_module(config_module="logra_rl.configs", version_base=None):
-            config = RunConfig.from_mapping(compose("config", overrides=overrides))
+        config = RunConfig(
+            model=ModelConfig(path=directory, builder=None, compute_dtype="float32"),
+            cluster=ClusterConfig(train_workers=1, device=device.type),
+            logra=LoGRAConfig(rank=32),
+        )
         worker = TrainWorker(config, directory, rank=0, world_size=1)
         start = time.perf_counter()
         worker.setup("127.0.0.1", 29532)

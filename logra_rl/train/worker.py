@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,6 +38,9 @@ from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
+
+if TYPE_CHECKING:
+    import ray
 
 GIB = 2**30
 LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
@@ -75,6 +78,8 @@ class TrainWorker:
     @staticmethod
     def address() -> tuple[str, int]:
         """An address rank 0 can serve the process group on (called on rank 0 before `setup`)."""
+        import ray  # the worker runs without Ray too (scripts/gpu_check.py on a bare GPU machine)
+
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
@@ -322,6 +327,8 @@ class TrainWorker:
     def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
         """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere): the driver
         passes the reference on to the engines and never holds the weights itself."""
+        import ray
+
         state = self.full_state(keys)
         return ray.put(state) if state is not None else None
 
