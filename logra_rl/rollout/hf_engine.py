@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
@@ -18,6 +19,31 @@ from logra_rl.utils.device import resolve_device
 from logra_rl.utils.state_dict import tied_duplicates
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Records each sampled token's log-prob under the processed (temperature, top-p) distribution it was
+    drawn from, while `generate` runs: it keeps one step's log-softmax (rows × vocab) and takes the sampled
+    entry at the next step, instead of every step's full-vocabulary scores (`output_scores`)."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids)
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, input_ids: torch.Tensor) -> None:
+        if self.previous is not None:  # input_ids now ends with the token sampled from `previous`
+            self.values.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+            self.previous = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(rows, generated tokens) log-probs, aligned with `sequences`' generated columns."""
+        self._take(sequences)
+        return torch.stack(self.values, dim=1)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -64,22 +90,24 @@ class HFEngine(RolloutEngine):
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        out = self.model.generate(
+        # the warpers are ours, so the recorder runs after them (HF puts its own after any custom processor)
+        recorder = SampledLogprobs()
+        processors = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+        processors += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+        sequences = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
+            temperature=1.0,
+            top_p=1.0,
             top_k=0,
+            logits_processor=LogitsProcessorList([*processors, recorder]),
             max_new_tokens=params.max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=pad,
-            output_scores=True,
-            return_dict_in_generate=True,
         )
-        # log-probs under the processed (temperature / top-p) distribution the tokens were drawn from
-        logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-        generated = out.sequences[:, width:].tolist()
+        logprobs = recorder.finish(sequences)
+        generated = sequences[:, width:].tolist()
         completions = []
         for prompt, tokens, token_logprobs in zip(rows, generated, logprobs.float().tolist(), strict=True):
             stops = [i for i, token in enumerate(tokens) if token in self.stop_ids]

@@ -1,5 +1,7 @@
 """The HF rollout engine: sampling log-probs, payload merges, refusals, full resync."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -39,6 +41,36 @@ def test_generate_returns_the_sampling_logprobs(quickstart_model):
             logits = engine.model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / 0.7
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_recorded_logprobs_equal_the_full_scores_under_top_p(quickstart_model):
+    """Recording while generating (one vocab row kept) gives the tokens and log-probs that keeping every
+    step's processed scores would (`output_scores` + `compute_transition_scores`), top-p included."""
+    engine = hf_engine(quickstart_model, "float32", "none")
+    params = SamplingParams(temperature=0.7, top_p=0.7, max_new_tokens=6, n=3)
+    completions = engine.generate(prompts(engine), params, seed=11)
+    rows = [p for p in prompts(engine) for _ in range(3)]
+    width = max(len(r) for r in rows)
+    torch.manual_seed(11)
+    out = engine.model.generate(
+        input_ids=torch.tensor([[engine.pad_id] * (width - len(r)) + r for r in rows]),
+        attention_mask=torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]),
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.7,
+        top_k=0,
+        max_new_tokens=6,
+        eos_token_id=engine.stop_ids,
+        pad_token_id=engine.pad_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    full = engine.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    for row, completion in enumerate(completions):
+        length = len(completion.token_ids)
+        assert completion.token_ids == out.sequences[row, width : width + length].tolist()
+        torch.testing.assert_close(torch.tensor(completion.logprobs), full[row, :length], rtol=0, atol=1e-6)
+    assert any(not math.isclose(v, 0.0) for c in completions for v in c.logprobs)
 
 
 def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
