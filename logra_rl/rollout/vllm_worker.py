@@ -53,6 +53,26 @@ def geometry_of(layer: torch.nn.Module) -> LayerGeometry:
     )
 
 
+# The decoder-layer modules the in-place plan maps HF targets onto (Qwen2 / Qwen2.5, Qwen3, Llama and
+# SmolLM2 in vLLM); any other layout fails closed to full resyncs.
+FUSED_LAYOUT = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def layout_refusal(model: torch.nn.Module) -> str:
+    """Why `model` is not a layout the in-place (or shadow) merges know, or "" when it is."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return f"{type(model).__name__} has no model.layers: not a decoder layout the in-place merges know"
+    modules = dict(layers[0].named_modules())
+    missing = [name for name in FUSED_LAYOUT if name not in modules]
+    if missing:
+        return (
+            f"{type(model).__name__} layer 0 has no {missing}: in-place merges are checked for the fused "
+            f"{list(FUSED_LAYOUT)} layout (Qwen2, Qwen3, Llama)"
+        )
+    return ""
+
+
 def in_place_targets(model: torch.nn.Module, residual_dtype: str, target_modules: tuple[str, ...]) -> dict:
     """MergeTargets over vLLM's own parameters, each placement confirmed by a dry run of its loader."""
     dtype = RESIDUAL_DTYPES[residual_dtype]
@@ -98,8 +118,10 @@ class LograWorkerExtension:
         model = self.model_runner.get_model()
         twin = _hf_twin(self.model_config.hf_config)
         shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
-        self.logra_refusal = ""
-        if _weights_are_packed(model):
+        self.logra_refusal, targets = layout_refusal(model), {}
+        if self.logra_refusal:
+            self.logra_mode = "resync"
+        elif _weights_are_packed(model):
             self.logra_mode = "shadow"
             device = next(model.parameters()).device
             weights = {
@@ -110,8 +132,9 @@ class LograWorkerExtension:
             try:
                 self.logra_mode, targets = "in_place", in_place_targets(model, residual, tuple(target_modules))
             except ValueError as refusal:
-                self.logra_mode, targets, self.logra_refusal = "resync", {}, str(refusal)
-                logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", refusal)
+                self.logra_mode, self.logra_refusal = "resync", str(refusal)
+        if self.logra_mode == "resync":
+            logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", self.logra_refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
         self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict().keys() - tied_duplicates(twin))
         return {"mode": self.logra_mode, "targets": len(targets), "refusal": self.logra_refusal}

@@ -61,3 +61,18 @@ def test_quantized_weights_turn_in_place_merges_off_with_a_reason():
     result = worker.logra_apply(b"any payload")
     assert not result["applied"] and "packed or quantized" in result["reason"]
     assert worker.logra_weights_at({"model.layers.0.self_attn.q_proj": (torch.tensor([0]), torch.tensor([0]))}) == {}
+
+
+def test_an_unknown_layer_layout_fails_closed_to_full_resyncs():
+    """A decoder whose layers are not the fused qkv / gate_up layout (here separate q/k/v projections)
+    takes no payload: every update becomes a full resync, and the reason names what is missing."""
+    model, config = quantized_model()
+    layer = model.model.layers[0]
+    del layer.self_attn.qkv_proj
+    layer.self_attn.q_proj = _Linear(32, 32, torch.bfloat16)
+    worker = _FakeWorker(model, config)
+    state = worker.logra_init(["q_proj", "o_proj"], "float32", 256)
+    assert state["mode"] == "resync" and "self_attn.qkv_proj" in state["refusal"]
+    assert not worker.logra_apply(b"any payload")["applied"]
+    empty = torch.nn.Module()
+    assert "no model.layers" in _FakeWorker(empty, config).logra_init(["q_proj"], "float32", 256)["refusal"]
