@@ -20,13 +20,34 @@ from logra_rl.utils.shards import combine_shards
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
 
 
+def cpu_thread_binding(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU TP workers: this process's cores in disjoint groups
+    ("0|1" on 2 cores), so two workers never spin on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ValueError(
+            f"rollout.gpus_per_engine={workers} CPU tensor-parallel workers need as many cores; this process has "
+            f"{len(cores)}: lower rollout.gpus_per_engine"
+        )
+    groups = [cores[i * len(cores) // workers : (i + 1) * len(cores) // workers] for i in range(workers)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per CPU worker, not vLLM's share of the host
+        tensor_parallel = {}
+        if spec.tensor_parallel_size > 1:
+            # Inside a Ray placement group vLLM would pick its Ray executor, which refuses a bundle of several
+            # GPUs (and the CPU platform); its multiprocessing executor runs the TP workers in this actor's node.
+            tensor_parallel["distributed_executor_backend"] = "mp"
+            if not torch.cuda.is_available():
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size))
         from vllm import LLM
 
         self.llm = LLM(
+            **tensor_parallel,
             model=spec.model_path,
             dtype=spec.dtype,
             tensor_parallel_size=spec.tensor_parallel_size,

@@ -53,6 +53,45 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
     assert history[-1]["policy/version"] == 5.0
 
 
+def test_a_tensor_parallel_engine_starts_in_its_placement_group_and_stays_exact(tmp_path, quickstart_model):
+    """rollout.gpus_per_engine=2: one engine actor holding a 2-GPU bundle runs vLLM's TP workers through the
+    multiprocessing executor (one core each on CPU); payloads, a bucketed full resync and the per-rank drift
+    probe keep its weights equal to bf16(master)."""
+    cfg = run_config(
+        [
+            "model=hf",
+            f"model.path={quickstart_model}",
+            "rollout=vllm",
+            "rollout.gpus_per_engine=2",
+            "rollout.resync_every=2",  # step 1 ends with a full resync
+            "rollout.resync_bucket_mb=0.05",
+            "trainer.prompts_per_step=16",
+            "logger.progress=false",
+        ]
+    )
+    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
+    controller.setup()
+    try:
+        history = [controller.step(step) for step in range(2)]
+    finally:
+        controller.teardown()
+    for metrics in history:
+        assert metrics["sync/weight_max_abs_diff"] == 0.0
+        assert abs(metrics["rollout/logprob_diff_mean"]) <= 1e-2, metrics["rollout/logprob_diff_mean"]
+    assert history[0]["sync/payload_bytes"] > 0 and history[1]["sync/full_resync_bytes"] > 0
+    assert history[-1]["policy/version"] == 2.0
+
+
+def test_cpu_tensor_parallel_workers_get_disjoint_cores(monkeypatch):
+    from logra_rl.rollout.vllm_engine import cpu_thread_binding
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3, 4})
+    assert cpu_thread_binding(2) == "0,1|2,3,4"
+    assert cpu_thread_binding(5) == "0|1|2|3|4"
+    with pytest.raises(ValueError, match=r"rollout\.gpus_per_engine=6 CPU tensor-parallel workers need as many cores"):
+        cpu_thread_binding(6)
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, layers):
         super().__init__()
