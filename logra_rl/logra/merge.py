@@ -35,6 +35,30 @@ def row_chunks(rows: int, chunk_rows: int, row_offset: int = 0) -> list[slice]:
     return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], rows], strict=True)]
 
 
+def low_rank_change(factor: torch.Tensor, projection: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """factor·projection as fp32, with one value per element whatever the chunk shape, shard layout or
+    GEMM kernel (whose reduction order varies with the shape, on GPUs especially).
+
+    U is bf16 (8 significant bits) and a Rademacher A is ±c: `signs` = A / c. U·sign(A) is then a sum of
+    ±U entries, exact in float64 in any order (unless a row of U spans more than 2^37 in magnitude), scaled
+    by c and rounded to fp32 once: trainer and engines get the same bits. Without `signs` (a Gaussian A)
+    the product runs in float64: exact products, sums accurate to ~1e-16 before the one rounding.
+    """
+    if signs is None:
+        return (factor.double() @ projection.double()).float()
+    scale = projection.abs().amax().double()
+    return ((factor.double() @ signs) * scale).float()
+
+
+def rademacher_signs(projection: torch.Tensor) -> torch.Tensor | None:
+    """A / c in float64 when every entry of A is ±c (a Rademacher projection), else None."""
+    magnitude = projection.abs()
+    scale = magnitude.amax()
+    if scale == 0 or not bool((magnitude == scale).all()):
+        return None
+    return (projection / scale).double()
+
+
 def merge_low_rank_(
     weight: torch.Tensor,
     factor: torch.Tensor,
@@ -43,18 +67,21 @@ def merge_low_rank_(
     chunk_rows: int = 256,
     row_offset: int = 0,
 ) -> None:
-    """weight ← weight − factor·projection in place, in fp32 row chunks, rounding once per element.
+    """weight ← weight − factor·projection in place, in row chunks, rounding once per element.
 
     `factor` holds the rows of U matching `weight`'s rows; no full ΔW is ever materialised.
     `residual` (same shape as weight) carries the rounding error of low-precision weights.
-    `row_offset` is the global index of weight's first row (a shard): chunks start at global
-    multiples of `chunk_rows`, so every holder of a row computes it in the same GEMM shape.
+    Each element's change comes from `low_rank_change`, which does not depend on the chunking, so
+    holders of a row with different shard or tensor-parallel layouts compute the same bits;
+    `row_offset` (the global index of weight's first row) still aligns chunks to global multiples
+    of `chunk_rows`.
     """
     projection = projection.to(device=weight.device, dtype=torch.float32)
+    signs = rademacher_signs(projection)
     exact_in_place = weight.dtype == torch.float32 and residual is None
     with torch.no_grad():
         for rows in row_chunks(weight.shape[0], chunk_rows, row_offset):
-            change = factor[rows].to(device=weight.device, dtype=torch.float32) @ projection
+            change = low_rank_change(factor[rows].to(weight.device), projection, signs)
             if exact_in_place:
                 weight[rows].sub_(change)
                 continue

@@ -14,9 +14,10 @@ from logra_rl.logra import (
     UpdatePayload,
     apply_payload,
     hf_targets,
+    make_projection,
     merge_low_rank_,
 )
-from logra_rl.logra.merge import row_chunks
+from logra_rl.logra.merge import low_rank_change, rademacher_signs, row_chunks
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 
@@ -92,6 +93,39 @@ def test_merge_with_fp32_residual_is_exact_on_random_updates():
         merge_low_rank_(weight, factor, projection, residual, chunk_rows=64)
         assert torch.equal(weight.float() + residual, master)
         assert torch.equal(weight, master.to(torch.bfloat16))
+
+
+def test_merges_are_bit_identical_whatever_the_chunking_shards_or_reduction_order():
+    """The trainer's FSDP shards and an engine's fused / TP blocks cut rows differently, and a GPU GEMM
+    picks its reduction order by shape. Every element's change must not depend on any of it."""
+    generator = torch.Generator().manual_seed(3)
+    rows, cols, rank = 301, 96, 64
+    master = torch.randn(rows, cols, generator=generator) * 0.02
+    projection = make_projection(rank, cols, seed=5)
+    factors = [(torch.randn(rows, rank, generator=generator) * 1e-4).to(torch.bfloat16) for _ in range(4)]
+    factors[0][:, :8] *= 1e-6  # rows of U spanning many orders of magnitude
+    trainer = master.clone()  # 2 FSDP shards of 151 and 150 rows, chunks of 7 rows
+    engine_weight = master.to(torch.bfloat16)  # one engine, 2 TP shards of 100 + 201 rows, chunks of 256
+    engine_residual = master - engine_weight.float()
+    for factor in factors:
+        for start, stop in ((0, 151), (151, rows)):
+            merge_low_rank_(trainer[start:stop], factor[start:stop], projection, chunk_rows=7, row_offset=start)
+        for start, stop in ((0, 100), (100, rows)):
+            block = slice(start, stop)
+            merge_low_rank_(engine_weight[block], factor[block], projection, engine_residual[block], chunk_rows=256)
+    assert torch.equal(engine_weight.float() + engine_residual, trainer)
+    assert torch.equal(engine_weight, trainer.to(torch.bfloat16))
+    # the reduction over the rank in another order (a split-K kernel) gives the same bits
+    permutation = torch.randperm(rank, generator=generator)
+    change = low_rank_change(factors[1], projection, rademacher_signs(projection))
+    permuted = low_rank_change(
+        factors[1][:, permutation], projection[permutation], rademacher_signs(projection[permutation])
+    )
+    assert torch.equal(change, permuted)
+    row_by_row = torch.cat(
+        [low_rank_change(factors[1][i : i + 1], projection, rademacher_signs(projection)) for i in range(rows)]
+    )
+    assert torch.equal(change, row_by_row)
 
 
 def test_duplicate_stale_out_of_order_and_foreign_payloads_are_refused_untouched():
