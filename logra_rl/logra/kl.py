@@ -9,6 +9,12 @@ weights:
 - `finite_difference_kl`: the true KL at s = ±h, q = (KL(h) + KL(−h)) / (2h²).
 - `step_kl`: the true KL of one given step (the "realised" KL of a commit).
 
+Under bf16 (or fp16) compute a LoGRA-sized change (~1e-4 of a layer's output) is below half an ulp
+and rounds away or jumps a whole one, so the two measured KLs are biased. When the targeted layers'
+outputs are low precision, both measure at a step large enough to be resolved (the largest relative
+output change `LOW_PRECISION_RESOLUTION`) and scale back quadratically: KL(s·h)/s², exact to the
+quadratic model the controller uses anyway. In fp32 nothing changes.
+
 The controller turns q into a step scale α = min(α_max, √(δ_eff/q)) against a scheduled
 budget δ, reduced by the measured rollout-vs-trainer mismatch.
 """
@@ -31,6 +37,9 @@ from logra_rl.logra.config import KLConfig
 LowRankStep = Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]]
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
+# Relative change of a layer's output that a bf16 forward resolves well (8 ulps of bf16's 2^-8).
+LOW_PRECISION_RESOLUTION = 2**-5
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class ProbeError(RuntimeError):
@@ -89,6 +98,34 @@ def _shifted(step: LowRankStep, scale: float):
         return hook
 
     return _hooks(step, make_hook)
+
+
+@contextmanager
+def _measured(step: LowRankStep) -> Iterator[dict[str, Any]]:
+    """Hooks that leave outputs alone and record the largest ‖change‖/‖output‖ of the step (at scale 1)
+    and whether any targeted output is low precision."""
+    record: dict[str, Any] = {"ratio": 0.0, "low_precision": False}
+
+    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            change = _output_change(module, args[0], projection, factor)
+            size = float(torch.linalg.vector_norm(output.float()))
+            if size > 0:
+                record["ratio"] = max(record["ratio"], float(torch.linalg.vector_norm(change)) / size)
+            record["low_precision"] |= output.dtype in LOW_PRECISION
+
+        return hook
+
+    with _hooks(step, make_hook):
+        yield record
+
+
+def resolvable_scale(record: dict[str, Any], scale: float) -> float:
+    """How much to enlarge a step of `scale` so a low-precision forward resolves it (1 in fp32)."""
+    change = record["ratio"] * abs(scale)
+    if not record["low_precision"] or change == 0 or change >= LOW_PRECISION_RESOLUTION:
+        return 1.0
+    return LOW_PRECISION_RESOLUTION / change
 
 
 def _tangent(step: LowRankStep):
@@ -152,14 +189,24 @@ def step_kl(
     scale: float,
     base_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model."""
+    """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model.
+
+    Under low-precision compute the step is measured at scale·s with s = `resolvable_scale` and the KL
+    divided by s² (see the module docstring); `base_logits` skips the base forward (fp32 callers).
+    """
+    enlarge = 1.0
     with torch.no_grad():
         if base_logits is None:
-            base_logits = forward(input_ids)
-        with _shifted(step, scale):
+            with _measured(step) as record:
+                base_logits = forward(input_ids)
+            enlarge = resolvable_scale(record, scale)
+        with _shifted(step, scale * enlarge):
             stepped = forward(input_ids)
     positions = _target_positions(loss_mask)
-    return _masked_sum(lambda c: exact_kl(base_logits[:, :-1][:, c], stepped[:, :-1][:, c], temperature), positions)
+    total, count = _masked_sum(
+        lambda c: exact_kl(base_logits[:, :-1][:, c], stepped[:, :-1][:, c], temperature), positions
+    )
+    return total / enlarge**2, count
 
 
 def finite_difference_kl(
@@ -170,14 +217,18 @@ def finite_difference_kl(
     temperature: float,
     fd_step: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ q, positions) with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term."""
-    with torch.no_grad():
+    """(Σ q, positions) with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term.
+
+    Under low-precision compute h is enlarged until the step is resolved (`resolvable_scale`).
+    """
+    with torch.no_grad(), _measured(step) as record:
         base_logits = forward(input_ids)
+    h = fd_step * resolvable_scale(record, fd_step)
     total = torch.zeros((), dtype=torch.float64, device=base_logits.device)
-    for scale in (fd_step, -fd_step):
+    for scale in (h, -h):
         kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base_logits)
         total += kl_sum
-    return total / (2 * fd_step**2), count
+    return total / (2 * h**2), count
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
