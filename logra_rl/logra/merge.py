@@ -152,7 +152,7 @@ def _merge_entries(payload: UpdatePayload, targets: Mapping[str, MergeTarget], c
         merge_low_rank_(
             target.weight,
             entry.factor[target.rows],
-            payload.projection(entry)[:, target.cols],
+            payload.projection(entry, target.weight.device)[:, target.cols],
             target.residual,
             chunk_rows,
             row_offset=target.rows.start or 0,

@@ -62,9 +62,9 @@ class UpdatePayload:
     def seed(self, entry: PayloadEntry) -> int:
         return projection_seed(self.base_seed, self.projection_update, entry.name)
 
-    def projection(self, entry: PayloadEntry) -> torch.Tensor:
-        """The entry's A, drawn exactly as the trainer drew it (float32, CPU)."""
-        return make_projection(self.rank, entry.k_in, self.seed(entry), self.distribution)
+    def projection(self, entry: PayloadEntry, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The entry's A, drawn exactly as the trainer drew it (float32), on `device`."""
+        return make_projection(self.rank, entry.k_in, self.seed(entry), self.distribution, device)
 
     @property
     def factor_bytes(self) -> int:

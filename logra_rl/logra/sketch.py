@@ -75,8 +75,10 @@ class LinearSketch:
 
     def draw_projection(self, update: int) -> None:
         """Write A for `update` completed updates into the existing buffer (same storage)."""
-        fresh = make_projection(self.rank, self.in_features, self.seed(update), self.distribution)
-        self.projection.copy_(fresh)
+        device = self.projection.device
+        self.projection.copy_(
+            make_projection(self.rank, self.in_features, self.seed(update), self.distribution, device)
+        )
 
     def _hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor

@@ -89,3 +89,29 @@ def test_fingerprint_changes_when_projection_changes():
     b[7, 63] = -b[7, 63]
     assert projection_fingerprint(b) != projection_fingerprint(a)
     assert projection_fingerprint(make_projection(8, 64, 4)) != projection_fingerprint(a)
+
+
+def _fmix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_rademacher_bits_are_the_counter_hash_computed_exactly():
+    """The device-side generator is plain 32-bit integer hashing done in int64 tensors without overflow:
+    it must equal the same hash in Python's exact integers for every entry, which is what makes a CUDA
+    draw equal a CPU draw bit for bit (gpu_check compares the two on a GPU)."""
+    rank, cols, seed = 5, 77, projection_seed(3, 9, Q_PROJ)
+    keys = (_fmix32(seed & 0xFFFFFFFF), _fmix32(seed >> 32))
+    expected = torch.empty(rank * cols, dtype=torch.bool)
+    for entry in range(rank * cols):
+        word, bit = divmod(entry, 32)
+        expected[entry] = (_fmix32(_fmix32(word ^ keys[0]) ^ keys[1]) >> bit) & 1
+    drawn = make_projection(rank, cols, seed)
+    assert torch.equal(drawn > 0, expected.view(rank, cols))
+    big = make_projection(256, 4096, seed)  # balanced, and rows nearly orthogonal: AAᵀ ≈ (k / r)·I
+    gram = big @ big.t()
+    assert abs(float((big > 0).float().mean()) - 0.5) < 0.01
+    assert float((gram - torch.diag(torch.diag(gram))).abs().max()) < 6 * 4096**0.5 / 256
