@@ -18,10 +18,16 @@ DIR/gpu_check.json, prints one line per failed check and exits 1 if any failed.
    shards and buffers; its full state (and its resync buckets) must equal the checkpoint exactly,
    and its log-probs (fp32 compute) must match a plain fp32 model's.
 
+6. Projections drawn on the device vs on the CPU, and one whole-model redraw on the device.
+7. KL under bf16 autocast: the finite-difference q and the realised KL against the fp32 JVP and
+   the fp32 realised KL; on CUDA, a CUDA graph captured around a linear replays an in-place merge;
+   the 7B-shaped peak memory of dense AdamW vs LoGRA (an out-of-memory is recorded as "OOM").
+
 Checks (each must hold): worker state and buckets exact; worker log-probs within 1e-3 of the
 reference; bf16 sketch error below 5% of the fp32 dense gradient's sketch; the in-place apply's
-bf16 weights equal bf16 of an fp32 master merged the trainer's way, bit for bit; on CUDA, the peak
-memory of a LoGRA step below the dense AdamW step's.
+bf16 weights equal bf16 of an fp32 master merged the trainer's way, bit for bit; device projections
+equal the CPU's; bf16 KLs within 0.8–1.25 of fp32; on CUDA, the graph replay sees the merge, and
+the peak memory of a LoGRA step is below the dense AdamW step's.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from logra_rl.logra import (
     PayloadMerger,
     UpdatePayload,
     hf_targets,
+    make_projection,
     merge_low_rank_,
     projection_fingerprint,
 )
@@ -232,6 +239,75 @@ def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
     }
 
 
+def projections_on_device(device: torch.device, shape: dict) -> dict:
+    """A drawn on the device equals A drawn on the CPU bit for bit; the time of one whole-model redraw."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    exact = all(
+        torch.equal(make_projection(64, k, seed=k + 1, device=device).cpu(), make_projection(64, k, seed=k + 1))
+        for k in (h, i)
+    )
+    per_layer = [h] * 6 + [i]  # q, k, v, gate, up (k_in = hidden) and o (hidden), down (intermediate)
+    redraw = timed(
+        lambda: [make_projection(256, k, seed=n, device=device) for n, k in enumerate(per_layer)], device, repeats=1
+    )
+    return {"projection_device_exact": exact, "projection_redraw_model_s": redraw * shape["num_hidden_layers"]}
+
+
+def kl_under_bf16(device: torch.device, shape: dict, tokens: int) -> dict:
+    """q from the fp32 JVP vs the finite-difference probe and the realised KL under bf16 autocast."""
+    torch.manual_seed(4)
+    model = model_of(shape, layers=2).to(device)
+    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
+    ids = torch.randint(0, shape["vocab_size"], (2, tokens), device=device)
+    loss_of(model, ids, torch.float32).backward()
+    opt.prepare(num_tokens=ids.numel())
+    mask = torch.ones_like(ids)
+
+    def bf16(x):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return model(input_ids=x).logits
+
+    fp32 = lambda x: model(input_ids=x).logits  # noqa: E731
+    jvp = opt.probe_kl(fp32, ids, mask, 1.0)
+    realised = opt.realized_kl(fp32, ids, mask, 1.0, 1.0)
+    opt.config = LoGRAConfig(rank=64, kl={"estimator": "finite_difference"})
+    finite_difference = opt.probe_kl(bf16, ids, mask, 1.0)
+    realised_bf16 = opt.realized_kl(bf16, ids, mask, 1.0, 1.0)
+    opt.discard()
+    return {
+        "kl_fd_bf16_over_jvp_fp32": finite_difference / jvp,
+        "kl_realized_bf16_over_fp32": realised_bf16 / realised,
+    }
+
+
+def cuda_graph_sees_merge(device: torch.device) -> bool:
+    """A CUDA graph captured around a linear layer replays with the weights an in-place merge wrote."""
+    linear = torch.nn.Linear(256, 128, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for _ in range(3):
+            linear(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(x)
+    graph.replay()
+    before = out.clone()
+    merger = PayloadMerger(hf_targets({"layer": linear.weight}, "float32"))
+    merger.resync({"layer": linear.weight.float()}, version=0)
+    factor = (torch.randn(128, 16, device=device) * 1e-2).to(torch.bfloat16)
+    entries = (PayloadEntry("layer", 128, 256, factor),)
+    draft = UpdatePayload(0, 1, 1, 0, 16, "rademacher", "bfloat16", "", entries)
+    fingerprint = projection_fingerprint(draft.projection(entries[0]))
+    merger.apply(UpdatePayload(0, 1, 1, 0, 16, "rademacher", "bfloat16", fingerprint, entries))
+    graph.replay()
+    torch.cuda.synchronize(device)
+    expected = linear(x)  # eager, with the merged weights
+    return bool(not torch.equal(out, before) and torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -264,9 +340,23 @@ def main() -> None:
     record("fsdp_logra_step_s", fsdp_step(device, small, 512), "s")
     for key, value in check_kernels(device, memory_shape, tokens, torch.bfloat16).items():
         record(key, value, "s")
+    for key, value in projections_on_device(device, apply_shape).items():
+        record(key, value, "s" if key.endswith("_s") else "")
+    for key, value in kl_under_bf16(device, small, 256).items():
+        record(key, value)
+    if device.type == "cuda":
+        record("cuda_graph_sees_merge", cuda_graph_sees_merge(device))
     variants = ("dense", "logra r=64") if args.small else ("dense", "logra r=64", "logra r=256")
     for variant in variants:
         record(f"peak_gib {variant}", peak_memory(device, memory_shape, tokens, variant.replace("logra ", "")), "GiB")
+    if device.type == "cuda" and not args.small:  # the paper's claim on one GPU: dense AdamW may not fit at 7B
+        for variant in ("dense", "logra r=64"):
+            try:
+                peak = peak_memory(device, SHAPES["qwen2.5-7b"], tokens, variant.replace("logra ", ""))
+            except torch.OutOfMemoryError:
+                peak = "OOM"
+            torch.cuda.empty_cache()
+            record(f"peak_gib 7b {variant}", peak, "GiB")
     for rank in (16, 64) if args.small else (16, 64, 256):
         for key, value in apply_time(device, apply_shape, rank).items():
             if key != "rank":
@@ -299,6 +389,13 @@ def failed_checks(results: dict, cuda: bool) -> list[str]:
     for key in (k for k in results if k.endswith(" exact") and k.startswith("apply")):
         if not results[key]:
             failed.append(f"{key}: the in-place bf16 weights differ from bf16 of the trainer-side fp32 merge")
+    if not results["projection_device_exact"]:
+        failed.append("projections drawn on the device differ from the CPU's")
+    for key in ("kl_fd_bf16_over_jvp_fp32", "kl_realized_bf16_over_fp32"):
+        if not 0.8 <= results[key] <= 1.25:
+            failed.append(f"{key} = {results[key]:.3g}: a KL measured under bf16 is biased (want 0.8–1.25)")
+    if cuda and not results.get("cuda_graph_sees_merge"):
+        failed.append("a CUDA graph replay did not see the in-place merge")
     if cuda and not results["peak_gib logra r=64"] < results["peak_gib dense"]:
         failed.append(
             f"LoGRA r=64 peak {results['peak_gib logra r=64']:.3g} GiB not below dense {results['peak_gib dense']:.3g}"

@@ -43,7 +43,8 @@ def test_cpu_mode_runs_without_the_cluster_packages_and_asserts_its_checks(tmp_p
     assert figures["worker_state_exact"] and figures["worker_buckets_exact"]
     assert figures["worker_logprob_max_abs_diff"] <= 1e-3
     assert 0 < figures["sketch_rel_error_bf16"] < 0.05
-    assert figures["apply r=16 exact"] and figures["apply r=64 exact"]
+    assert figures["apply r=16 exact"] and figures["apply r=64 exact"] and figures["projection_device_exact"]
+    assert 0.8 <= figures["kl_fd_bf16_over_jvp_fp32"] <= 1.25 and 0.8 <= figures["kl_realized_bf16_over_fp32"] <= 1.25
 
 
 def test_a_failed_check_is_one_line():
@@ -58,9 +59,16 @@ def test_a_failed_check_is_one_line():
         "apply r=16 exact": True,
         "peak_gib dense": 10.0,
         "peak_gib logra r=64": 4.0,
+        "projection_device_exact": True,
+        "kl_fd_bf16_over_jvp_fp32": 0.97,
+        "kl_realized_bf16_over_fp32": 1.0,
+        "cuda_graph_sees_merge": True,
     }
     assert gpu_check.failed_checks(good, cuda=True) == []
     bad = {**good, "apply r=16 exact": False, "peak_gib logra r=64": 12.0, "sketch_rel_error_bf16": float("nan")}
+    bad |= {"kl_fd_bf16_over_jvp_fp32": 60.0, "cuda_graph_sees_merge": False}
     failed = gpu_check.failed_checks(bad, cuda=True)
-    assert len(failed) == 3 and any("apply r=16 exact" in line for line in failed)
+    assert len(failed) == 5 and any("apply r=16 exact" in line for line in failed)
+    assert any("kl_fd_bf16_over_jvp_fp32 = 60" in line for line in failed)
+    assert any("CUDA graph" in line for line in failed)
     assert any("not below dense" in line for line in failed) and any("sketch error nan" in line for line in failed)
