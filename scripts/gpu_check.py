@@ -13,7 +13,8 @@ DIR/gpu_check.json, prints one line per failed check and exits 1 if any failed.
    gradients; the JVP KL probe.
 3. Peak memory of one full training step, dense AdamW vs LoGRA (r = 64, 256), on a
    Qwen2.5-1.5B-shaped model (fp32 masters, bf16 autocast, activation checkpointing).
-4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual).
+4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual), and
+   its bit-equality with the trainer-side merge of the same updates cut into other row shards and chunks.
 5. TrainWorker set-up on the device: rank-0 load, meta-device build, FSDP2, broadcast of the
    shards and buffers; its full state (and its resync buckets) must equal the checkpoint exactly,
    and its log-probs (fp32 compute) must match a plain fp32 model's.
@@ -33,6 +34,7 @@ the peak memory of a LoGRA step is below the dense AdamW step's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -226,9 +228,13 @@ def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
     sync(device)
     seconds = (time.perf_counter() - start) / 3
     generation = timed(lambda: [payloads[0].projection(e) for e in entries], device, repeats=1)
-    for p in payloads:  # the trainer's side of the same four updates, on its fp32 masters
+    for p in payloads:  # the trainer's side of the same four updates: 3 uneven FSDP-like row shards, other chunks
         for entry in p.entries:
-            merge_low_rank_(masters[entry.name], entry.factor, p.projection(entry), chunk_rows=4096)
+            master, projection = masters[entry.name], p.projection(entry, device)
+            bounds = [0, master.shape[0] // 3 + 1, 2 * master.shape[0] // 3 + 5, master.shape[0]]
+            for start, stop in itertools.pairwise(bounds):
+                shard = slice(start, stop)
+                merge_low_rank_(master[shard], entry.factor[shard], projection, chunk_rows=1000, row_offset=start)
     exact = all(torch.equal(merger.targets[n].weight, masters[n].to(torch.bfloat16)) for n in names)
     return {
         "rank": rank,
