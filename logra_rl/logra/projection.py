@@ -55,7 +55,10 @@ def _rademacher_signs(rank: int, in_features: int, seed: int, device: torch.devi
     count = rank * in_features
     word = torch.arange((count + 31) // 32, dtype=torch.int64, device=device)
     hashed = _mix32(_mix32(word ^ keys[0]) ^ keys[1])
-    bits = (hashed[:, None] >> torch.arange(32, dtype=torch.int64, device=device)) & 1
+    signed = hashed - ((hashed >> 31) << 32)  # the same 32 bits as int32 (two's complement), cast exactly
+    octets = signed.to(torch.int32).view(torch.uint8)  # little-endian: octet j holds bits 8j..8j+7
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = (octets[:, None] >> shifts) & 1
     return bits.flatten()[:count].bool().view(rank, in_features)
 
 
