@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from logra_rl.config import RunConfig
 from logra_rl.data import Workload
 from logra_rl.eval.passk import eval_metrics
-from logra_rl.rewards import CompletionGrader
+from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.utils.seeding import EVAL_STREAM, stream_seed
 

@@ -32,7 +32,8 @@ from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
-from logra_rl.rewards import CompletionGrader, RewardPool
+from logra_rl.rewards import RewardPool
+from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.train.batch import pack_batch

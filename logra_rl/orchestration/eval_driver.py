@@ -19,7 +19,8 @@ from logra_rl.eval.export import export_checkpoint
 from logra_rl.models.loading import resolve_model_path
 from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.rollout_group import RolloutGroup
-from logra_rl.rewards import CompletionGrader, RewardPool
+from logra_rl.rewards import RewardPool
+from logra_rl.rewards.grading import CompletionGrader
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:

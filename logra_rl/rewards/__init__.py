@@ -1,4 +1,8 @@
-"""Rewards: named graders and the timeout-safe process pool that runs them."""
+"""Rewards: named graders and the timeout-safe process pool that runs them.
+
+`rewards.grading.CompletionGrader` (torch) is imported from its module, not here: the pool's spawned
+workers import this package, and a replaced worker must start fast.
+"""
 
 from logra_rl.rewards.graders import (
     GraderTimeout,
@@ -10,12 +14,10 @@ from logra_rl.rewards.graders import (
     register_reward,
     strip_end_of_text,
 )
-from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rewards.math import math_reward, math_verify_reward
 from logra_rl.rewards.pool import GradeRequest, GradeResult, RewardPool, grade_one, grader_metrics
 
 __all__ = [
-    "CompletionGrader",
     "GradeRequest",
     "GradeResult",
     "GraderTimeout",
