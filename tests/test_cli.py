@@ -19,6 +19,16 @@ def logra_train(*args, cwd, timeout=300):
     return subprocess.run([LOGRA_TRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def logra_eval(*args, cwd, timeout=300):
+    return subprocess.run(
+        [str(Path(LOGRA_TRAIN).with_name("logra-eval")), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -121,18 +131,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
 
     # logra-eval on the final checkpoint reproduces the trainer's final eval exactly, with graded samples
     checkpoint = tmp_path / "outputs/quickstart/straight/checkpoints/step_6"
-    result = subprocess.run(
-        [
-            str(Path(LOGRA_TRAIN).with_name("logra-eval")),
-            *common,
-            f"eval.checkpoint={checkpoint}",
-            "trainer.run_name=ev",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = logra_eval(*common, f"eval.checkpoint={checkpoint}", "trainer.run_name=ev", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     evaluated = json.loads((tmp_path / "outputs/quickstart/ev/eval_metrics.json").read_text())
     assert evaluated == {k: v for k, v in straight[6].items() if k.startswith("eval/")}
@@ -154,18 +153,7 @@ def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, 
     assert trained["step"] == 2
 
     checkpoint = tmp_path / "outputs/quickstart/lora/checkpoints/step_2"
-    result = subprocess.run(
-        [
-            str(Path(LOGRA_TRAIN).with_name("logra-eval")),
-            *common,
-            f"eval.checkpoint={checkpoint}",
-            "trainer.run_name=ev",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = logra_eval(*common, f"eval.checkpoint={checkpoint}", "trainer.run_name=ev", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     evaluated = json.loads((tmp_path / "outputs/quickstart/ev/eval_metrics.json").read_text())
     assert evaluated == {k: v for k, v in trained.items() if k.startswith("eval/")} and evaluated
