@@ -102,17 +102,19 @@ def _shifted(step: LowRankStep, scale: float):
 
 @contextmanager
 def _measured(step: LowRankStep) -> Iterator[dict[str, Any]]:
-    """Hooks that leave outputs alone and record the largest ‖change‖/‖output‖ of the step (at scale 1)
-    and whether any targeted output is low precision."""
+    """Hooks that leave outputs alone and record whether any targeted output is low precision and, over
+    those, the largest ‖change‖/‖output‖ of the step at scale 1."""
     record: dict[str, Any] = {"ratio": 0.0, "low_precision": False}
 
     def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            if output.dtype not in LOW_PRECISION:
+                return  # fp32 resolves the step as it is: no enlarging, so no need to size the change
             change = _output_change(module, args[0], projection, factor)
             size = float(torch.linalg.vector_norm(output.float()))
             if size > 0:
                 record["ratio"] = max(record["ratio"], float(torch.linalg.vector_norm(change)) / size)
-            record["low_precision"] |= output.dtype in LOW_PRECISION
+            record["low_precision"] = True
 
         return hook
 

@@ -48,7 +48,7 @@ class UpdateInputs:
     num_tokens: float  # loss tokens over all ranks
     mismatch_sum: float  # Σ log π_rollout − log π_train over completed responses' tokens (0 after epoch 0)
     mismatch_tokens: int
-    probe: KLProbe
+    probe: Callable[[], KLProbe]  # built only by a rule that probes (LoGRA), not on the dense path
 
 
 Outcome = UpdatePayload | FullResync | NoChange
@@ -187,7 +187,7 @@ class LoGRAUpdate:
         except FloatingPointError as error:
             opt.zero_sketches()
             return {"actor/skipped": 1.0}, NoChange(str(error))
-        probe, temperature = inputs.probe, self.temperature
+        probe, temperature = inputs.probe(), self.temperature
         start = time.perf_counter()
         self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:

@@ -164,7 +164,7 @@ class TrainWorker:
                 num_tokens=sums["tokens"],
                 mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
-                probe=self._probe(batch),
+                probe=lambda: self._probe(batch),
             )
             update_metrics, outcome = self.rule.update(inputs)
             outcomes.append(outcome)

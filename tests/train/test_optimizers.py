@@ -22,7 +22,10 @@ def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones
 
     model = torch.nn.Linear(4, 3)
     update = DenseUpdate(model, RunConfig(optimizer=OptimizerConfig(name="dense", lr=1e-2)), world_size=2)
-    probe = KLProbe(forward=model, input_ids=torch.zeros(1, 1), loss_mask=torch.zeros(1, 1))  # unused by dense
+
+    def probe() -> KLProbe:
+        raise AssertionError("the dense rule must not build a KL probe")
+
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     metrics, outcome = update.update(
