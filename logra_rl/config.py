@@ -20,7 +20,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The policy. `path`: a local HF directory or hub id; `builder: quickstart` builds the tiny base model."""
+    """The policy. `path`: a local HF directory or hub id; `builder: quickstart` builds the tiny base model,
+    `builder: smollm2` fetches SmolLM2-135M-Instruct into the cache (logra_rl.models.smollm2)."""
 
     path: str | None = None
     builder: str | None = "quickstart"
@@ -33,9 +34,9 @@ class ModelConfig:
             (self.path is None) != (self.builder is None),
             "model.path",
             self.path,
-            "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart)",
+            "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart, smollm2)",
         )
-        check(self.builder in (None, "quickstart"), "model.builder", self.builder, "the only builder is 'quickstart'")
+        check_choice("model.builder", self.builder, (None, "quickstart", "smollm2"))
         check_choice("model.compute_dtype", self.compute_dtype, ("auto", *DTYPES))
 
 
@@ -228,7 +229,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    experiment: str = "quickstart"
+    experiment_name: str = "quickstart"  # names the run directory: outputs/<experiment_name>/<run_name>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -267,7 +268,8 @@ class RunConfig:
             "logger": lambda v: from_mapping(LoggerConfig, v, "logger."),
             "eval": lambda v: from_mapping(EvalConfig, v, "eval."),
         }
-        unknown = sorted(set(values) - set(groups) - {"experiment"})
+        # `experiment` is the key's name in configs saved before it was `experiment_name` (it clashed with the group)
+        unknown = sorted(set(values) - set(groups) - {"experiment_name", "experiment"})
         if unknown:
             raise ValueError(f"config: unknown top-level key(s) {unknown}; the groups are {sorted(groups)}")
         built = {name: build(values.get(name) or {}) for name, build in groups.items()}
@@ -291,4 +293,5 @@ class RunConfig:
             probe_tokens,
             f"must exceed data.max_prompt_length ({built['data'].max_prompt_length}) or the probe sees no response",
         )
-        return cls(experiment=values.get("experiment", "quickstart"), **built)
+        name = values.get("experiment_name", values.get("experiment", "quickstart"))
+        return cls(experiment_name=name, **built)

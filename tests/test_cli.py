@@ -46,6 +46,9 @@ def stable(record):
         (["optimizer=adam"], "unknown optimizer 'adam'; choose one of ['dense', 'logra', 'lora']"),
         (["logra.rank=0"], "config: logra.rank=0 is invalid"),
         (["model=hf"], "model.path is required"),
+        (["model=hf", "model.path=/models/any"], "would get the CPU quickstart's toy LoGRA settings"),
+        (["model=hf", "model.path=/models/any", "logra=default"], "add experiment_name=NAME"),
+        (["experiment=smollm2"], "picks a preset, which is added with a +: +experiment=smollm2"),
     ],
 )
 def test_bad_config_fails_fast_with_one_clear_line(tmp_path, args, message):
@@ -64,15 +67,19 @@ def test_help_names_the_program_and_lists_the_options(tmp_path):
     assert "optimizer: dense, logra, lora" in result.stdout and "reasoning_gym_hard_27b" in result.stdout
 
 
-def test_print_resolved_config(tmp_path):
-    result = logra_train("--cfg", "job", "logra.rank=16", cwd=tmp_path)
+@pytest.mark.parametrize("cfg_first", [True, False])
+def test_print_resolved_config(tmp_path, cfg_first):
+    overrides = ["logra.rank=16", "experiment_name=mine"]
+    args = ["--cfg", "job", *overrides] if cfg_first else [*overrides, "--cfg", "job"]
+    result = logra_train(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "rank: 16" in result.stdout and "experiment: quickstart" in result.stdout
+    assert "rank: 16" in result.stdout and "experiment_name: mine" in result.stdout
 
 
 def test_a_sweep_writes_one_run_directory_per_job(tmp_path, quickstart_model):
     sweep = ["-m", "trainer.seed=1,2", "trainer.run_name=sweep", "trainer.total_steps=1", "trainer.eval_every=0"]
-    common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.prompts_per_step=8"]
+    common += ["logger.progress=false"]
     result = logra_train(*sweep, *common, "logger.plot=false", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.name for p in (tmp_path / "outputs/quickstart").iterdir() if p.is_dir())
@@ -86,6 +93,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
     common = [
         "model=hf",
         f"model.path={quickstart_model}",
+        "logra=quickstart",
         "trainer.prompts_per_step=16",
         "trainer.checkpoint_every=3",
         "trainer.eval_every=3",
@@ -143,7 +151,8 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
 
 def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, quickstart_model):
     """The export merges the run's adapters with the run's own scale (alpha / rank from its config)."""
-    common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.prompts_per_step=8"]
+    common += ["logger.progress=false"]
     common += ["logger.plot=false", "optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
     common += ["optimizer.lora_alpha=16"]
     steps = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.run_name=lora"]

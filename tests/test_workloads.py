@@ -12,6 +12,7 @@ from tests.data.math_files import MATH500_ROWS, write_dapo, write_math500
 BIN = Path(sys.executable).parent
 COMMON = [
     "model=hf",
+    "logra=quickstart",  # a tiny model: the toy settings on purpose
     "trainer.total_steps=2",
     "trainer.prompts_per_step=4",
     "trainer.eval_every=1",

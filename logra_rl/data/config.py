@@ -8,7 +8,7 @@ from typing import Any
 
 from logra_rl.utils.structs import check, check_positive_int, from_mapping
 
-REASONING_GYM_KEYS = ("datasets", "config")
+REASONING_GYM_KEYS = ("datasets", "config", "answer_format")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class DataConfig:
     reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights), a
         mapping name → sampling weight (several names make a weighted mixture), or the preset `hard` (eight
         tasks at hard settings); the optional `config` maps a name to its generator kwargs, e.g.
-        `{"datasets": {"basic_arithmetic": 1.0, "gcd": 0.5}, "config": {"gcd": {"max_value": 1000}}}`.
+        `{"datasets": {"basic_arithmetic": 1.0, "gcd": 0.5}, "config": {"gcd": {"max_value": 1000}}}`;
+        `answer_format` is what the prompt asks for: `tags` (`<answer></answer>`, the default) or `boxed`
+        (`\\boxed{}`, what math-tuned and small instruct models tend to write); the reward reads the same.
     """
 
     task: str = "quickstart"

@@ -42,18 +42,28 @@ HARD_MIXTURE = {
     "word_ladder": {"min_word_length": 5, "max_word_length": 5},
 }
 PRESETS = {"hard": HARD_MIXTURE}
-ANSWER_INSTRUCTION = "Give your final answer inside <answer></answer> tags, with nothing else inside the tags."
+ANSWER_INSTRUCTIONS = {
+    "tags": "Give your final answer inside <answer></answer> tags, with nothing else inside the tags.",
+    "boxed": "Put your final answer within \\boxed{}.",
+}
 
 
 @register_task("reasoning_gym")
 def load_reasoning_gym_task(config: DataConfig) -> Task:
     weights, generator_kwargs = _mixture(config.reasoning_gym)
+    answer_format = config.reasoning_gym.get("answer_format", "tags")
+    if answer_format not in ANSWER_INSTRUCTIONS:
+        raise ValueError(
+            f"data.reasoning_gym.answer_format={answer_format!r} is invalid; "
+            f"choose one of {sorted(ANSWER_INSTRUCTIONS)}"
+        )
     reward = config.reward or "reasoning_gym"
     get_reward_function(reward)
     train_size = DEFAULT_TRAIN_SIZE if config.train_size is None else config.train_size
     eval_size = DEFAULT_EVAL_SIZE if config.eval_size is None else config.eval_size
-    train = _generate(weights, generator_kwargs, config.seed, train_size, config, reward)
-    eval_ = _generate(weights, generator_kwargs, config.seed + EVAL_SEED_OFFSET, eval_size, config, reward)
+    common = generator_kwargs, config, reward, answer_format
+    train = _generate(weights, config.seed, train_size, *common)
+    eval_ = _generate(weights, config.seed + EVAL_SEED_OFFSET, eval_size, *common)
     return Task(name="reasoning_gym", train=train, eval=eval_)
 
 
@@ -116,11 +126,12 @@ def _check_generator_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
 
 def _generate(
     weights: dict[str, float],
-    generator_kwargs: dict[str, dict[str, Any]],
     seed: int,
     size: int,
+    generator_kwargs: dict[str, dict[str, Any]],
     config: DataConfig,
     reward: str,
+    answer_format: str,
 ) -> list[Example]:
     if size == 0:
         return []
@@ -130,12 +141,14 @@ def _generate(
     else:
         specs = [DatasetSpec(name=name, weight=w, config=generator_kwargs.get(name, {})) for name, w in weights.items()]
         dataset = create_dataset("composite", datasets=specs, seed=seed, size=size)
-    return [_example(dataset[i], generator_kwargs, config, reward) for i in range(size)]
+    return [_example(dataset[i], generator_kwargs, config, reward, answer_format) for i in range(size)]
 
 
-def _example(entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]], config: DataConfig, reward: str):
+def _example(
+    entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]], config: DataConfig, reward: str, answer_format
+):
     name = entry["metadata"]["source_dataset"]
-    messages = [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"}]
+    messages = [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTIONS[answer_format]}"}]
     if config.system_prompt is not None:
         messages.insert(0, {"role": "system", "content": config.system_prompt})
     # A few datasets (e.g. rubiks_cube, rush_hour) have no single reference answer: their scorers verify.
@@ -146,5 +159,6 @@ def _example(entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]],
         "dataset": name,
         "dataset_config": generator_kwargs.get(name, {}),
         "entry": entry,
+        "answer_format": answer_format,
     }
     return Example(messages=tuple(messages), answer=answer, reward=reward, metadata=metadata)

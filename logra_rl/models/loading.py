@@ -9,12 +9,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import LoGRAConfig, check_rank, find_targets
+from logra_rl.models.smollm2 import fetch_smollm2
 from logra_rl.models.tiny import build_quickstart_model
 
 
 def resolve_model_path(config: RunConfig, run_dir: Path) -> str:
-    """`model.path`, or the quickstart's tiny model built (once, seeded) into `<run_dir>/base_model`."""
+    """`model.path`, the quickstart's tiny model built (once, seeded) into `<run_dir>/base_model`, or
+    SmolLM2-135M-Instruct fetched (once) into the cache."""
     model = config.model
+    if model.builder == "smollm2":
+        return str(fetch_smollm2())
     if model.builder == "quickstart":
         path = Path(run_dir) / "base_model"
         if not (path / "config.json").exists():

@@ -95,7 +95,8 @@ def _reasoning_gym_dataset(name: str, config_json: str):
 
 @register_reward("reasoning_gym")
 def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    """The dataset's own `score_answer` on the text inside the last `<answer>` tags; no tags scores 0.
+    """The dataset's own `score_answer` on the text inside the last `<answer>` tags (or the last `\\boxed{}`
+    when the prompt asked for it: metadata `answer_format: boxed`); no tags scores 0.
 
     `metadata` carries `dataset` (the reasoning-gym name), `entry` (its question/answer/metadata record) and
     optionally `dataset_config` (the generator kwargs: some scorers read them). Raw text is never passed to
@@ -107,7 +108,10 @@ def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]
             f"reasoning_gym reward needs metadata keys {missing} (have {sorted(metadata)}); "
             "build examples with the reasoning_gym task"
         )
-    extracted = extract_answer(response, tag_name="answer")
+    if metadata.get("answer_format", "tags") == "boxed":
+        extracted = last_boxed(strip_end_of_text(response))
+    else:
+        extracted = extract_answer(response, tag_name="answer")
     if extracted is None:
         return 0.0
     config_json = json.dumps(metadata.get("dataset_config", {}), sort_keys=True)

@@ -52,6 +52,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.6  # vllm backend
     max_model_len: int = 4096  # vllm backend
     seed: int = 0  # vllm backend: the engine's default seed (requests carry their own)
+    max_num_seqs: int = 256  # vllm backend: sequences decoded together (sizes the CPU KV cache)
 
     @classmethod
     def from_config(cls, config: RunConfig, model_path: str) -> EngineSpec:

@@ -33,10 +33,25 @@ def cpu_thread_binding(workers: int) -> str:
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
+def cpu_kv_cache_gib(spec: EngineSpec, max_gib: int = 8) -> int:
+    """KV cache for `spec.max_num_seqs` sequences of `max_model_len` tokens on one CPU TP worker, in whole GiB
+    (at least 1, at most `max_gib`): key + value per layer of the worker's share of the KV heads."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.model_path)
+    config = getattr(config, "text_config", config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = max(1, config.num_key_value_heads // spec.tensor_parallel_size)
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(getattr(torch, spec.dtype)).bits // 8
+    need = per_token * spec.max_model_len * spec.max_num_seqs
+    return int(min(max_gib, max(1, -(-need // 2**30))))
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per CPU worker, not vLLM's share of the host
+        # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec)))
         tensor_parallel = {}
         if spec.tensor_parallel_size > 1:
             # Inside a Ray placement group vLLM would pick its Ray executor, which refuses a bundle of several
@@ -44,20 +59,33 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel["distributed_executor_backend"] = "mp"
             if not torch.cuda.is_available():
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size))
+        cpu = {}
+        if not torch.cuda.is_available():
+            # vLLM rewinds a seeded request's generator when it drops the token sampled for a partly prefilled
+            # (chunked) prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset"). With
+            # chunked prefill off and a token budget of a whole sequence, every prompt is prefilled in one step.
+            cpu = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(spec.max_model_len, 8192)}
         from vllm import LLM
 
-        self.llm = LLM(
-            **tensor_parallel,
-            model=spec.model_path,
-            dtype=spec.dtype,
-            tensor_parallel_size=spec.tensor_parallel_size,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            max_model_len=spec.max_model_len,
-            seed=spec.seed,
-            enforce_eager=not torch.cuda.is_available(),
-            worker_extension_cls=EXTENSION,
-            logprobs_mode="processed_logprobs",
-        )
+        from logra_rl.rollout.vllm_worker import muted
+
+        # An fp32 checkpoint (e.g. SmolLM2 dequantised from GGUF) loads into the bf16 engine with one warning per
+        # weight; the narrowing is to the engine's dtype, as asked (TP > 1 loads in vLLM's worker processes).
+        with muted(("vllm.model_executor.models.utils",), ("Attempted to load weight",)):
+            self.llm = LLM(
+                **tensor_parallel,
+                **cpu,
+                model=spec.model_path,
+                dtype=spec.dtype,
+                tensor_parallel_size=spec.tensor_parallel_size,
+                gpu_memory_utilization=spec.gpu_memory_utilization,
+                max_model_len=spec.max_model_len,
+                seed=spec.seed,
+                max_num_seqs=spec.max_num_seqs,
+                enforce_eager=not torch.cuda.is_available(),
+                worker_extension_cls=EXTENSION,
+                logprobs_mode="processed_logprobs",
+            )
         modes = self.llm.collective_rpc(
             "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows)
         )

@@ -18,7 +18,9 @@ Three modes, chosen at start-up:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,7 +160,11 @@ class LograWorkerExtension:
     def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
         then exact residuals; the last bucket sets `version` once every weight has arrived."""
-        self._logra_reload(list(state.items()))  # in shadow mode this also reloads the bucket's targets
+        # Cast here, not in vLLM: its loader warns once per weight on a float32 -> bfloat16 copy (the same
+        # round-to-nearest cast); the fp32 values are kept for the exact residuals below.
+        dtype = self.vllm_config.model_config.dtype
+        cast = [(name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in state.items()]
+        self._logra_reload(cast)  # in shadow mode this also reloads the bucket's targets
         with torch.inference_mode():
             self.logra_resync.receive(state, version, bucket, buckets)
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
@@ -187,19 +193,35 @@ class LograWorkerExtension:
     def _logra_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """`reload_weights` with some of the model's weights (one resync bucket, or the shadow targets).
 
-        vLLM warns "Failed to load weights" for every layer a reload leaves out and keeps its tensors;
-        here that is by design (BucketedResync checks that every weight arrives), so the warning is muted.
+        vLLM warns "Failed to load weights" for every layer a reload leaves out and lists every weight not
+        in it ("Following weights were not loaded"), keeping their tensors; here that is by design
+        (BucketedResync checks that every weight arrives), so both warnings are muted.
         """
-        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        layerwise.addFilter(_not_a_partial_reload_warning)
-        try:
+        with muted(RELOAD_LOGGERS, PARTIAL_RELOAD_WARNINGS):
             self.reload_weights(weights_iterator=iter(weights))
-        finally:
-            layerwise.removeFilter(_not_a_partial_reload_warning)
 
 
-def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
-    return "Failed to load weights" not in record.getMessage()
+RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+PARTIAL_RELOAD_WARNINGS = ("Failed to load weights", "Following weights were not loaded")
+
+
+@contextlib.contextmanager
+def muted(loggers: tuple[str, ...], messages: tuple[str, ...]) -> Iterator[None]:
+    """Drop the records of `loggers` whose message starts with one of `messages`, inside the block."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(messages)
+
+    for name in loggers:
+        logging.getLogger(name).addFilter(keep)
+    try:
+        yield
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeFilter(keep)
 
 
 def _weights_are_packed(model: torch.nn.Module) -> bool:

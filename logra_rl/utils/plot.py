@@ -25,7 +25,7 @@ KL_STYLES: dict[str, dict[str, Any]] = {
     "logra/kl_realized": {"linestyle": "-", "linewidth": 0.8, "alpha": 0.7},
     "logra/kl_predicted": {"linestyle": "--", "linewidth": 1.6, "zorder": 3},
 }
-RUN_DIR_CONTENTS = "a run directory (outputs/<experiment>/<run_name>/) holds metrics.jsonl and config.yaml"
+RUN_DIR_CONTENTS = "a run directory (outputs/<experiment_name>/<run_name>/) holds metrics.jsonl and config.yaml"
 
 
 def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
@@ -147,12 +147,14 @@ def summarize(run: Run) -> dict[str, str]:
         "steps": steps,
         "reward first 5": _num(_mean(rewards[:5]), ".3f"),
         "reward last 5": _num(_mean(rewards[-5:]), ".3f"),
+        "eval pass@1 at start": _first_eval(run, run.pass1_key),
         "eval pass@1": _final_eval(run, run.pass1_key, last_step),
         "eval pass@k": _final_eval(run, run.passk_key, last_step),
         "KL realised (mean)": _num(_mean(run.values("logra/kl_realized")), ".2e"),
         "KL predicted (mean)": _num(_mean(run.values("logra/kl_predicted")), ".2e"),
         "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
         "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
+        "sync KiB/step": _num(_mean(_sync_bytes(run)) / 1024 if _sync_bytes(run) else None, ",.0f"),
         "updates/h (median)": _num(statistics.median(updates) if updates else None, ",.0f"),
         "wall time": _duration(sum(timings)) if timings else DASH,
     }
@@ -270,7 +272,7 @@ def plot_main(argv: list[str] | None = None) -> int:
         prog="logra-plot",
         description="Compare runs side by side: a PNG of reward, eval, KL, memory, speed and a markdown table.",
     )
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="outputs/<experiment>/<run_name>/")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="outputs/<experiment_name>/<run_name>/")
     parser.add_argument("--out", type=Path, help="output directory (default: <first run's parent>/compare)")
     parser.add_argument("--labels", help="comma-separated labels, one per run (default: from run dir and optimizer)")
     parser.add_argument("--smooth", type=int, default=10, help="moving-average window for reward, in steps (1 = raw)")
@@ -335,6 +337,18 @@ def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[s
     pass1 = f"{prefix}/pass@1" if 1 in ks else None
     passk = f"{prefix}/pass@{k}" if k in ks else f"{prefix}/pass@{ks[-1]}"
     return pass1, passk
+
+
+def _first_eval(run: Run, key: str | None) -> str:
+    """The first eval value (step 0 in a run that evaluates before training)."""
+    steps, values = run.series(key)
+    return f"{values[0]:.3f}" if steps else DASH
+
+
+def _sync_bytes(run: Run) -> list[float]:
+    """Bytes sent to the engines per train step: the payloads plus any full resync."""
+    records = [r for r in run.records if "sync/payload_bytes" in r]
+    return [r["sync/payload_bytes"] + r.get("sync/full_resync_bytes", 0.0) for r in records]
 
 
 def _final_eval(run: Run, key: str | None, last_step: int) -> str:

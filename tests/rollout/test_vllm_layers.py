@@ -19,7 +19,7 @@ from logra_rl.rollout.vllm_layout import (  # noqa: E402
     layer_placements,
     loader_placement,
 )
-from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer  # noqa: E402
+from tests.rollout.test_vllm_layout import CASES, GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer  # noqa: E402
 
 SHARDS = {"q": "q", "k": "k", "v": "v", "gate": 0, "up": 1}
 
@@ -49,7 +49,7 @@ def load(layer, key, tensor):
     weight.weight_loader(weight, tensor, *(() if shard is None else (shard,)))
 
 
-@pytest.mark.parametrize(("name", "tp"), [(name, tp) for name in GEOMETRIES for tp in (1, 2, 4, 8)])
+@pytest.mark.parametrize(("name", "tp"), CASES)
 def test_plan_equals_the_dry_run_of_vllm_loaders_and_loaders_produce_the_emulated_layout(name, tp, monkeypatch):
     sizes = GEOMETRIES[name]
     hf = hf_layer(sizes)

@@ -21,7 +21,14 @@ GEOMETRIES = {
     "qwen3-like (heads·head_dim ≠ hidden)": dict(hidden=48, intermediate=64, num_heads=8, num_kv_heads=4, head_dim=16),
     "MQA": dict(hidden=32, intermediate=64, num_heads=8, num_kv_heads=1, head_dim=8),
     "no GQA": dict(hidden=32, intermediate=32, num_heads=8, num_kv_heads=8, head_dim=4),
+    "SmolLM2-135M (9 / 3 heads)": dict(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64),
 }
+
+
+def tensor_parallel_sizes(name: str) -> tuple[int, ...]:
+    """The TP sizes vLLM accepts for a geometry: the KV heads split evenly (or are replicated) over ranks."""
+    heads, kv_heads = GEOMETRIES[name]["num_heads"], GEOMETRIES[name]["num_kv_heads"]
+    return tuple(tp for tp in (1, 2, 3, 4, 8) if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0))
 
 
 def hf_layer(sizes, seed=0):
@@ -74,7 +81,7 @@ def targets_on(local, geometry):
     }
 
 
-CASES = [(name, tp) for name in GEOMETRIES for tp in (1, 2, 4, 8)]
+CASES = [(name, tp) for name in GEOMETRIES for tp in tensor_parallel_sizes(name)]
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)

@@ -42,6 +42,8 @@ def logra_records() -> list[dict]:
                 "memory/train_avg_gib": 1.0 if step % 2 else 1.5,
                 "memory/train_peak_gib": 2.0 + step / 10,
                 "perf/updates_per_hour": 1000.0 + 100 * step,
+                "sync/payload_bytes": 2048.0,
+                "sync/full_resync_bytes": 10240.0 if step == 9 else 0.0,
             },
         )
         if step in (0, 5):
@@ -99,6 +101,8 @@ def test_compare_three_runs_writes_png_and_table(runs, tmp_path, capsys):
     assert (logra["reward first 5"], logra["reward last 5"]) == ("0.200", "0.700")  # mean of 0..0.4, of 0.5..0.9
     assert (logra["eval pass@1"], logra["eval pass@4"], dense["eval pass@4"]) == ("0.500", "0.800", "0.600")
     assert (short["eval pass@1"], short["eval pass@4"]) == ("0.250 @ step 0", "0.500 @ step 0")
+    assert (logra["eval pass@1 at start"], short["eval pass@1 at start"]) == ("0.100", "0.250")
+    assert logra["sync KiB/step"] == "3"  # 2 KiB payloads, one 10 KiB resync in 10 steps
     assert (logra["KL realised (mean)"], logra["KL predicted (mean)"]) == ("1.00e-02", "2.00e-02")  # null skipped
     assert dense["KL realised (mean)"] == dense["KL predicted (mean)"] == "—"
     assert (logra["mem avg GiB"], logra["mem peak GiB"], short["mem peak GiB"]) == ("1.25", "2.90", "—")
