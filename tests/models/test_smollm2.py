@@ -104,5 +104,6 @@ def test_two_steps_and_an_eval_on_the_real_model_through_the_hf_engine(tmp_path,
         assert record["sync/weight_max_abs_diff"] == 0.0  # the engine holds bf16(master) exactly
         assert abs(record["rollout/logprob_diff_mean"]) <= 1e-2, record["rollout/logprob_diff_mean"]
         assert record["sync/payload_bytes"] > 0 and record["sync/full_resync_bytes"] == 0
-        assert 0 < record["logra/kl_realized"] < 1e-2  # the preset's per-token budget, not the toy's 5e-2
-    assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@4"] <= 1
+        # the preset's per-token KL budget, not the toy's 5e-2 (an all-equal-reward step realises 0)
+        assert record["logra/kl_budget"] <= 2e-3 and 0 <= record["logra/kl_realized"] <= 2 * record["logra/kl_budget"]
+    assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@2"] <= 1

@@ -151,7 +151,9 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
-    assert "Attempted to load weight" not in output and "does not use offset" not in output
+    assert "does not use offset" not in output
+    for warning in ("Attempted to load weight", "Failed to load weights", "Following weights were not loaded"):
+        assert warning not in output  # a load, a payload or a resync prints nothing per weight
     assert "LoGRA merges: shadow" in output
     records = [json.loads(line) for line in (tmp_path / "outputs/smollm2/vllm/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -159,7 +161,7 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
         assert record["sync/weight_max_abs_diff"] == 0.0
         assert abs(record["rollout/logprob_diff_mean"]) <= 1e-2, record["rollout/logprob_diff_mean"]
     assert records[0]["sync/payload_bytes"] > 0 and records[1]["sync/full_resync_bytes"] > 0
-    assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@4"] <= 1
+    assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@2"] <= 1
 
 
 def test_the_cpu_kv_cache_is_sized_for_the_runs_sequences(smollm2_model):
