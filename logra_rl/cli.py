@@ -130,7 +130,8 @@ def toy_settings_problem(hydra_config: DictConfig) -> str | None:
             f"{presets}), or the paper's settings with logra=default experiment_name=NAME, or keep the toy's on "
             "purpose with logra=quickstart"
         )
-    if not any(override.startswith("experiment_name=") for override in overrides) and choices["logra"] != "quickstart":
+    named = any(override.startswith("experiment_name=") for override in overrides)
+    if not named and choices.get("logra") != "quickstart":
         return "name this run's directory (outputs/<experiment_name>/...): add experiment_name=NAME"
     return None
 

@@ -145,8 +145,12 @@ def _generate(
 
 
 def _example(
-    entry: dict[str, Any], generator_kwargs: dict[str, dict[str, Any]], config: DataConfig, reward: str, answer_format
-):
+    entry: dict[str, Any],
+    generator_kwargs: dict[str, dict[str, Any]],
+    config: DataConfig,
+    reward: str,
+    answer_format: str,
+) -> Example:
     name = entry["metadata"]["source_dataset"]
     messages = [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTIONS[answer_format]}"}]
     if config.system_prompt is not None:

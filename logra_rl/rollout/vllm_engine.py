@@ -50,8 +50,6 @@ def cpu_kv_cache_gib(spec: EngineSpec, max_gib: int = 8) -> int:
 class VLLMEngine(RolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec)))
         tensor_parallel = {}
         if spec.tensor_parallel_size > 1:
             # Inside a Ray placement group vLLM would pick its Ray executor, which refuses a bundle of several
@@ -61,6 +59,8 @@ class VLLMEngine(RolloutEngine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size))
         cpu = {}
         if not torch.cuda.is_available():
+            # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec)))
             # vLLM rewinds a seeded request's generator when it drops the token sampled for a partly prefilled
             # (chunked) prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset"). With
             # chunked prefill off and a token budget of a whole sequence, every prompt is prefilled in one step.

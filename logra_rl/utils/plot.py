@@ -141,6 +141,7 @@ def summarize(run: Run) -> dict[str, str]:
     last_step = run.records[-1]["step"]
     updates = run.values("perf/updates_per_hour")
     timings = run.values("timing_s/step")
+    sync_bytes = _sync_bytes(run)
     return {
         "run": run.label,
         "optimizer": run.optimizer,
@@ -154,7 +155,7 @@ def summarize(run: Run) -> dict[str, str]:
         "KL predicted (mean)": _num(_mean(run.values("logra/kl_predicted")), ".2e"),
         "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
         "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
-        "sync KiB/step": _num(_mean(_sync_bytes(run)) / 1024 if _sync_bytes(run) else None, ",.0f"),
+        "sync KiB/step": _num(_mean(sync_bytes) / 1024 if sync_bytes else None, ",.0f"),
         "updates/h (median)": _num(statistics.median(updates) if updates else None, ",.0f"),
         "wall time": _duration(sum(timings)) if timings else DASH,
     }
