@@ -26,6 +26,9 @@ class DataConfig:
         into nested records (`reward_model.ground_truth`). A plain schema: prompt_key=input answer_key=output.
     reward: the reward function name (see logra_rl.rewards); None → the task's default (`math` for files and
         math — or a prepared file's own `extra_info.reward` — and `reasoning_gym` for reasoning_gym).
+    grade_thinking: grade the whole response, `<think>...</think>` included. Off (the default), only what follows
+        the last `</think>` earns a reward and a response whose thinking never closes has no answer (every
+        built-in reward; docs/data.md).
     system_prompt: prepended as a system message to every prompt (replacing a record's own system message).
     seed: generator seed (reasoning_gym) and hold-out split seed (files).
     train_size / eval_size: how many examples; None → all records (files) or 10000 / 200 (reasoning_gym).
@@ -45,6 +48,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
     reward: str | None = None
+    grade_thinking: bool = False
     system_prompt: str | None = None
     seed: int = 42
     train_size: int | None = None
@@ -65,6 +69,7 @@ class DataConfig:
         for name in ("reward", "system_prompt"):
             value = getattr(self, name)
             check(value is None or isinstance(value, str), f"data.{name}", value, "give a string or null")
+        check(isinstance(self.grade_thinking, bool), "data.grade_thinking", self.grade_thinking, "give true or false")
         check(isinstance(self.seed, int) and self.seed >= 0, "data.seed", self.seed, "give a non-negative integer")
         for name in ("train_size", "eval_size"):
             value = getattr(self, name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from logra_rl.data.config import DataConfig
@@ -76,6 +76,9 @@ def load_task(config: DataConfig) -> Task:
     task = _TASKS[config.task](config)
     if not task.train:
         raise ValueError(f"task {config.task!r} has no training examples; check data.train_files / data.train_size")
+    if config.grade_thinking:  # the rewards read it from each example's metadata
+        task.train = [replace(e, metadata={**e.metadata, "grade_thinking": True}) for e in task.train]
+        task.eval = [replace(e, metadata={**e.metadata, "grade_thinking": True}) for e in task.eval]
     return task
 
 

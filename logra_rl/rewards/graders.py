@@ -21,6 +21,7 @@ RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
 
 _REWARDS: dict[str, RewardFunction] = {}
 # Tokens a decoder may leave at the end of a response when it is not told to skip special tokens.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
 
 
@@ -67,6 +68,22 @@ def strip_end_of_text(response: str) -> str:
     return text
 
 
+def final_text(response: str, grade_thinking: bool = False) -> str | None:
+    """The part of `response` a reward grades: what follows the thinking, end-of-text markers off.
+
+    Text inside `<think>...</think>` earns nothing: only what follows the last `</think>` counts (a chat template
+    may open the thinking in the prompt, so a lone `</think>` counts too), and a response whose thinking never
+    closes has no answer (None). `grade_thinking` keeps the whole response (data.grade_thinking).
+    """
+    text = strip_end_of_text(response)
+    if grade_thinking:
+        return text
+    close = text.rfind(THINK_CLOSE)
+    if close >= 0:
+        return text[close + len(THINK_CLOSE) :].strip()
+    return None if THINK_OPEN in text else text
+
+
 def last_boxed(text: str, command: str = "\\boxed") -> str | None:
     r"""Content of the last `\boxed{...}` (or `command{...}`; balanced braces), or None if none or it is unclosed."""
     start = text.rfind(command + "{")
@@ -83,8 +100,8 @@ def last_boxed(text: str, command: str = "\\boxed") -> str | None:
 
 @register_reward("exact_match")
 def exact_match_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    """1.0 when the stripped response is exactly the stripped answer."""
-    return float(strip_end_of_text(response) == answer.strip())
+    """1.0 when the stripped response (after any thinking) is exactly the stripped answer."""
+    return float(final_text(response, metadata.get("grade_thinking", False)) == answer.strip())
 
 
 @cache
@@ -96,7 +113,7 @@ def _reasoning_gym_dataset(name: str, config_json: str):
 @register_reward("reasoning_gym")
 def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """The dataset's own `score_answer` on the text inside the last `<answer>` tags (or the last `\\boxed{}`
-    when the prompt asked for it: metadata `answer_format: boxed`); no tags scores 0.
+    when the prompt asked for it: metadata `answer_format: boxed`) after any thinking; no tags scores 0.
 
     `metadata` carries `dataset` (the reasoning-gym name), `entry` (its question/answer/metadata record) and
     optionally `dataset_config` (the generator kwargs: some scorers read them). Raw text is never passed to
@@ -108,10 +125,13 @@ def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]
             f"reasoning_gym reward needs metadata keys {missing} (have {sorted(metadata)}); "
             "build examples with the reasoning_gym task"
         )
-    if metadata.get("answer_format", "tags") == "boxed":
-        extracted = last_boxed(strip_end_of_text(response))
+    text = final_text(response, metadata.get("grade_thinking", False))
+    if text is None:
+        extracted = None
+    elif metadata.get("answer_format", "tags") == "boxed":
+        extracted = last_boxed(text)
     else:
-        extracted = extract_answer(response, tag_name="answer")
+        extracted = extract_answer(text, tag_name="answer")
     if extracted is None:
         return 0.0
     config_json = json.dumps(metadata.get("dataset_config", {}), sort_keys=True)

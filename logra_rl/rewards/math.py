@@ -1,12 +1,13 @@
 r"""The `math` reward: extract the final answer, compare it with math-verify, under a hard time limit.
 
-Extraction follows the reference grader (docs/data.md): the last balanced `\boxed{...}` (else the last `\fbox{...}`),
-else the last "final answer / answer / therefore / thus ... is|:|=" phrase, else the last number. Unlike the
-reference, the prompt is never searched: a response with no answer scores 0 even if the question contains one.
+Extraction (logra_rl.rewards.answers, docs/data.md): after any thinking, the last box (with the boxes joined to it),
+else the last answer phrase's maths, else the last maths of the response. The prompt is never searched: a response
+with no answer scores 0 even if the question contains one.
 
 Comparison: identical text (ignoring spaces and `\text{}` wrappers) is correct; two plain numbers (integers,
-decimals, `a/b`, `\frac{a}{b}`) are compared exactly in Python, deferring to math-verify only where its 6-decimal
-rounding could matter; everything else is `math_verify.verify(parse(gold), parse(prediction))`. The number fast path
+decimals, `a/b`, `\frac{a}{b}`, mixed numbers) are compared exactly in Python, deferring to math-verify only where
+its 6-decimal rounding could matter; inequalities and memberships become intervals; everything else is
+`math_verify.verify(parse(gold), parse(prediction))`. The number fast path
 gives math-verify's verdict without its LaTeX parse (2-10 ms), which matters because DAPO-Math answers are integers;
 that parse itself is made ~3x faster by ANTLR's two-stage parsing (`_use_two_stage_latex_parsing`).
 
@@ -41,7 +42,8 @@ from antlr4.atn.PredictionMode import PredictionMode
 from latex2sympy2_extended import latex2sympy2
 from math_verify import parse, verify
 
-from logra_rl.rewards.graders import GraderTimeout, last_boxed, register_reward, strip_end_of_text
+from logra_rl.rewards.answers import find_answer
+from logra_rl.rewards.graders import GraderTimeout, register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +96,21 @@ def _use_two_stage_latex_parsing() -> None:
 
 _use_two_stage_latex_parsing()
 
-_KEYWORD = re.compile(r"\b(?:final answer|answer|therefore|thus)\b", re.IGNORECASE)
-_PHRASE_TAIL = re.compile(r"[^\n<|]{0,40}?(?:\bis\b:?|:|=)\s*([^\n<|]+)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\\[dt]?frac\{\d+\}\{\d+\}|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?(?:/\d+)?")
-_PLAIN_NUMBER = re.compile(
-    r"(?P<sign>-?)(?:\\[dt]?frac\{(?P<num>\d+)\}\{(?P<den>\d+)\}|(?P<a>\d+)/(?P<b>\d+)|(?P<dec>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?))"
+_PLAIN_NUMBER = re.compile(  # `-4 4/9` and `918\frac{1}{2}` are mixed numbers
+    r"(?P<sign>[-+]?)(?:(?P<whole>\d+) ?)??(?:\\[dt]?frac\{(?P<num>\d+)\}\{(?P<den>\d+)\}|(?P<a>\d+)/(?P<b>\d+)"
+    r"|(?P<dec>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d*\.\d+|\d+))"
 )
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
-_SENTENCE_END = re.compile(r"\.(?!\d)|,\s+(?=[a-z]{2,}\b)")  # "42, which is even." -> "42"
+# `\mathrm{e}` inside `\frac{1}{...}` cuts math-verify's parse short (`1 - \frac{1}{\mathrm{e}}` read as `1`).
+_LETTER_FONT = re.compile(r"\\(?:mathrm|mathit|mathbf|text|textrm|textit|textbf|operatorname)\{\s*([a-zA-Z])\s*\}")
+_OPERATORS = {"<": (True, False), r"\lt": (True, False), "<=": (True, True), "≤": (True, True), r"\le": (True, True),
+              r"\leq": (True, True), r"\leqslant": (True, True), ">": (False, False), r"\gt": (False, False),
+              ">=": (False, True), "≥": (False, True), r"\ge": (False, True), r"\geq": (False, True),
+              r"\geqslant": (False, True)}  # fmt: skip
+_RELATION = re.compile(r"(<=|>=|<|>|≤|≥|\\[lg]eq(?:slant)?(?![a-zA-Z])|\\[lg][et](?![a-zA-Z]))")
+_UNION = re.compile(r"\s*(?:\\text\{\s*or\s*\}|\bor\b|\\cup(?![a-zA-Z])|\\l?or(?![a-zA-Z])|\\vee(?![a-zA-Z]))\s*")
+_VARIABLE = re.compile(r"[a-zA-Z](?:_\{?\w+\}?)?")
+_MEMBERSHIP = re.compile(r"(?P<variable>[a-zA-Z](?:_\{?\w+\}?)?)\s*\\in(?![a-zA-Z])\s*(?P<set>.+)", re.DOTALL)
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")  # math already delimited (an escaped \$ is a dollar sign)
 
 
@@ -109,15 +118,20 @@ class _Timeout(BaseException):
     """Raised by the SIGALRM handler; a BaseException so `except Exception` in math-verify and sympy lets it pass."""
 
 
-def grade(response: str, ground_truth: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
-    """1.0 if the final answer in `response` equals `ground_truth`, else 0.0 — also on any error or timeout."""
-    return float(_grade_bounded(response, ground_truth, timeout_s) is True)
+def grade(
+    response: str, ground_truth: str, timeout_s: float = DEFAULT_TIMEOUT_S, grade_thinking: bool = False
+) -> float:
+    """1.0 if the final answer in `response` equals `ground_truth`, else 0.0 — also on any error or timeout.
+
+    Only what follows `</think>` is graded unless `grade_thinking` (logra_rl.rewards.answers.final_text).
+    """
+    return float(_grade_bounded(response, ground_truth, timeout_s, grade_thinking) is True)
 
 
 @register_reward("math")
 def math_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """`grade` as a reward; a timeout raises GraderTimeout so the pool counts it in `reward/grader_timeouts`."""
-    verdict = _grade_bounded(response, answer, DEFAULT_TIMEOUT_S)
+    verdict = _grade_bounded(response, answer, DEFAULT_TIMEOUT_S, bool(metadata.get("grade_thinking", False)))
     if verdict is None:
         raise GraderTimeout(f"math grading took longer than {DEFAULT_TIMEOUT_S}s")
     return float(verdict)
@@ -126,50 +140,82 @@ def math_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> floa
 math_verify_reward = register_reward("math_verify")(math_reward)  # the original name, kept for configs using it
 
 
-def extract_answer(response: str) -> str | None:
-    r"""The final answer in `response`: last `\boxed{}`, else `\fbox{}`, else an "answer is" phrase, else a number."""
-    text = strip_end_of_text(response)
-    for command in ("\\boxed", "\\fbox"):
-        boxed = last_boxed(text, command)
-        if boxed is not None:
-            return boxed.strip()
-    for keyword in reversed(list(_KEYWORD.finditer(text))):
-        tail = _PHRASE_TAIL.match(text, keyword.end())
-        if tail:
-            phrase = _SENTENCE_END.split(tail.group(1), maxsplit=1)[0].strip(" \t*")
-            if phrase:
-                return phrase
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _grade_bounded(response: str, ground_truth: str, timeout_s: float) -> bool | None:
+def _grade_bounded(response: str, ground_truth: str, timeout_s: float, grade_thinking: bool) -> bool | None:
     """The verdict, or None when grading ran out of time; an error is a wrong answer."""
     try:
         if _alarm_usable():
-            return _on_main_thread(response, ground_truth, timeout_s)
-        return _in_worker(response, ground_truth, timeout_s)
+            return _on_main_thread(response, ground_truth, timeout_s, grade_thinking)
+        return _in_worker(response, ground_truth, timeout_s, grade_thinking)
     except Exception as error:
         logger.debug("math grading failed (%s: %s); scoring 0", type(error).__name__, error)
         return False
 
 
-def _verdict(response: str, ground_truth: str) -> bool:
+def _verdict(response: str, ground_truth: str, grade_thinking: bool) -> bool:
     gold = ground_truth.strip()
-    prediction = extract_answer(response)
-    if not gold or prediction is None:
+    answer = find_answer(response, grade_thinking)
+    if not gold or answer is None:
         return False
-    plain = _plain_text(prediction)
+    prediction, plain = answer.text, _plain_text(answer.text)
     if not plain:
         return False
-    if plain == _plain_text(gold):
+    if _plain_text(gold) in (plain, answer.sentence and _plain_text(answer.sentence)):
         return True
     numbers = _number(gold), _number(prediction)
     if None not in numbers:
         equal = _numbers_equal(*numbers, exact="." not in gold + prediction)
         if equal is not None:
             return equal
+    gold_set, prediction_set = _as_set(gold), _as_set(prediction)
+    if gold_set or prediction_set:  # `-2 \le x \le 7` = `x \in [-2, 7]` = `[-2, 7]`
+        (gold_variable, gold), (variable, prediction) = gold_set or (None, gold), prediction_set or (None, prediction)
+        if gold_variable and variable and gold_variable != variable:
+            return False
     return verify(_parse_gold(gold), parse(_latex(prediction), parsing_timeout=None), timeout_seconds=None)
+
+
+def _as_set(answer: str) -> tuple[str, str] | None:
+    r"""(variable, interval or set in LaTeX) for `x \in S`, `a < x \le b`, `x \ge a` and unions of those joined by
+    `or` / `\cup`; None for anything else (only constant bounds: `x < y` stays a relation)."""
+    answer = answer.strip().strip("$").strip()
+    membership = _MEMBERSHIP.fullmatch(answer)
+    if membership:
+        return membership["variable"], membership["set"]
+    pieces = [_as_interval(piece) for piece in _UNION.split(answer)]
+    if not pieces or None in pieces or len({variable for variable, _ in pieces}) != 1:
+        return None
+    return pieces[0][0], r" \cup ".join(interval for _, interval in pieces)
+
+
+def _as_interval(relation: str) -> tuple[str, str] | None:
+    """`x > a`, `a < x`, `-x > a` or `a < x <= b` (either direction) as (x, interval)."""
+    parts = [part.strip() for part in _RELATION.split(relation)]
+    operators = [_OPERATORS[op] for op in parts[1::2]]  # (is `<`-like, includes equality)
+    if len(parts) == 3:
+        (less, closed), variable_left = operators[0], bool(_VARIABLE.fullmatch(parts[0].lstrip("-")))
+        variable, bound = (parts[0], parts[2]) if variable_left else (parts[2], parts[0])
+        if variable.startswith("-"):  # -x > a  <=>  x < -a
+            variable, bound, less = variable[1:].strip(), f"-({bound})", not less
+        if not (_VARIABLE.fullmatch(variable) and _constant(bound)):
+            return None
+        if less == variable_left:  # x < a
+            return variable, rf"(-\infty, {bound}{']' if closed else ')'}"
+        return variable, rf"{'[' if closed else '('}{bound}, \infty)"
+    if len(parts) == 5:
+        low, variable, high = parts[0::2]
+        same_direction = operators[0][0] == operators[1][0]
+        if not (same_direction and _VARIABLE.fullmatch(variable) and _constant(low) and _constant(high)):
+            return None
+        closed = [c for _, c in operators]
+        if not operators[0][0]:  # b > x > a
+            low, high, closed = high, low, closed[::-1]
+        return variable, f"{'[' if closed[0] else '('}{low}, {high}{']' if closed[1] else ')'}"
+    return None
+
+
+def _constant(bound: str) -> bool:
+    r"""A bound with no letters outside LaTeX commands (`-2`, `\frac{1}{2}`, `2\pi`), so not a variable."""
+    return bool(bound) and not re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", bound))
 
 
 def _plain_text(answer: str) -> str:
@@ -178,6 +224,7 @@ def _plain_text(answer: str) -> str:
 
 def _latex(answer: str) -> str:
     """Math-verify parses a bare answer (`0.5`, `\\frac12`) best as inline math; delimited text stays as it is."""
+    answer = _LETTER_FONT.sub(r"\1", answer)
     return answer if _DELIMITED.search(answer) else f"${answer}$"
 
 
@@ -198,10 +245,14 @@ def _number(text: str) -> Fraction | None:
         numerator, denominator = int(match["num"] or match["a"]), int(match["den"] or match["b"])
         if denominator == 0:
             return None
-        value = Fraction(numerator, denominator)
+        if match["whole"] is not None and numerator >= denominator:
+            return None  # `11 7/6` is not a mixed number
+        value = Fraction(numerator, denominator) + int(match["whole"] or 0)
+    elif match["whole"] is not None:  # `1 000`
+        return None
     else:
         value = Fraction(match["dec"].replace(",", ""))
-    return -value if match["sign"] else value
+    return -value if match["sign"] == "-" else value
 
 
 def _numbers_equal(gold: Fraction, prediction: Fraction, exact: bool) -> bool | None:
@@ -229,13 +280,13 @@ def _raise_timeout(signum: int, frame: Any) -> None:
     raise _Timeout
 
 
-def _on_main_thread(response: str, ground_truth: str, timeout_s: float) -> bool | None:
+def _on_main_thread(response: str, ground_truth: str, timeout_s: float, grade_thinking: bool) -> bool | None:
     previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
     previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s, RETRY_S)
     start = time.monotonic()
     try:
         try:
-            return _verdict(response, ground_truth)
+            return _verdict(response, ground_truth, grade_thinking)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:  # also when it fires inside the inner `finally`, before the timer is disarmed
@@ -249,19 +300,21 @@ def _on_main_thread(response: str, ground_truth: str, timeout_s: float) -> bool 
 
 
 class _Worker:
-    """A grading subprocess: one JSON line `[response, ground_truth, timeout_s]` in, one verdict line out."""
+    """A grading subprocess: a JSON line `[response, ground_truth, timeout_s, grade_thinking]` in, a verdict out."""
 
     def __init__(self) -> None:
-        root = str(Path(__file__).resolve().parents[2])  # so the child imports this checkout of logra_rl
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-c", "from logra_rl.rewards.math import serve; serve()"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        # `python -c` puts the working directory first on sys.path; this checkout goes there instead, so the child
+        # runs the same logra_rl as its parent wherever it starts (not another copy in the working directory).
+        root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path[0] = {root!r}; from logra_rl.rewards.math import serve; serve()"
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+        self.process = subprocess.Popen([sys.executable, "-c", code], **pipes, text=True)
         if self._reply(WORKER_START_TIMEOUT_S) != "ready":
             self.close()
             raise RuntimeError(f"the math grading worker did not start within {WORKER_START_TIMEOUT_S}s")
 
-    def grade(self, response: str, ground_truth: str, timeout_s: float) -> bool | None:
-        self.process.stdin.write(json.dumps([response, ground_truth, timeout_s]) + "\n")
+    def grade(self, response: str, ground_truth: str, timeout_s: float, grade_thinking: bool) -> bool | None:
+        self.process.stdin.write(json.dumps([response, ground_truth, timeout_s, grade_thinking]) + "\n")
         self.process.stdin.flush()
         reply = self._reply(timeout_s + KILL_GRACE_S)
         if reply is None:  # stuck where its own timer cannot reach: kill it, a fresh one takes its place
@@ -305,12 +358,12 @@ def _forget_workers() -> None:
 os.register_at_fork(after_in_child=_forget_workers)
 
 
-def _in_worker(response: str, ground_truth: str, timeout_s: float) -> bool | None:
+def _in_worker(response: str, ground_truth: str, timeout_s: float, grade_thinking: bool) -> bool | None:
     with _workers_lock:
         worker = _idle_workers.pop() if _idle_workers else None
     if worker is None or not worker.alive:  # an idle worker can die (e.g. killed for memory): start another
         worker = _Worker()
-    verdict = worker.grade(response, ground_truth, timeout_s)
+    verdict = worker.grade(response, ground_truth, timeout_s, grade_thinking)
     if worker.alive:
         with _workers_lock:
             keep = len(_idle_workers) < MAX_IDLE_WORKERS
@@ -329,5 +382,5 @@ def serve() -> None:
     print("ready", file=replies, flush=True)
     reply_lines = {verdict: line for line, verdict in _VERDICTS.items()}
     for line in sys.stdin:
-        response, ground_truth, timeout_s = json.loads(line)
-        print(reply_lines[_grade_bounded(response, ground_truth, timeout_s)], file=replies, flush=True)
+        verdict = _grade_bounded(*json.loads(line))
+        print(reply_lines[verdict], file=replies, flush=True)

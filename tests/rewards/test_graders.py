@@ -4,6 +4,7 @@ from reasoning_gym import create_dataset
 from logra_rl.data import DataConfig, load_task
 from logra_rl.rewards import (
     exact_match_reward,
+    final_text,
     get_reward_function,
     last_boxed,
     math_reward,
@@ -84,3 +85,36 @@ def test_reasoning_gym_scores_with_the_generator_config():
 def test_reasoning_gym_names_missing_metadata():
     with pytest.raises(ValueError, match=r"needs metadata keys \['dataset', 'entry'\]"):
         reasoning_gym_reward("<answer>1</answer>", "1", {})
+
+
+def test_final_text_grades_what_follows_the_thinking():
+    assert final_text("<think>a</think>\n b <|im_end|>") == "b"
+    assert final_text("the template opened it</think>b") == "b"  # `<think>` was in the prompt
+    assert final_text("<think>a</think>b<think>c</think>d") == "d"
+    assert final_text("<think>never closed") is None
+    assert final_text("<think>never closed", grade_thinking=True) == "<think>never closed"
+    assert final_text("no thinking at all") == "no thinking at all"
+
+
+def test_thinking_earns_no_reward_in_any_builtin_reward():
+    entry = next(iter(create_dataset("basic_arithmetic", size=1, seed=7)))
+    metadata, answer = {"dataset": "basic_arithmetic", "entry": entry}, entry["answer"]
+    inside = f"<think><answer>{answer}</answer></think> I do not know"
+    assert reasoning_gym_reward(inside, answer, metadata) == 0.0
+    assert reasoning_gym_reward(inside, answer, {**metadata, "grade_thinking": True}) == 1.0
+    boxed = {**metadata, "answer_format": "boxed"}
+    assert reasoning_gym_reward(f"<think>\\boxed{{0}}</think>\\boxed{{{answer}}}", answer, boxed) == 1.0
+    assert reasoning_gym_reward(f"<think>\\boxed{{{answer}}}", answer, boxed) == 0.0
+    assert exact_match_reward("<think>7</think>7", "7", {}) == 1.0
+    assert exact_match_reward("<think>7", "7", {"grade_thinking": True}) == 0.0  # the tag is part of the text
+    assert exact_match_reward("<think>7", "7", {}) == 0.0
+
+
+def test_data_grade_thinking_reaches_every_example():
+    datasets = {"datasets": ["basic_arithmetic"]}
+    config = DataConfig(task="reasoning_gym", train_size=3, eval_size=2, reasoning_gym=datasets, grade_thinking=True)
+    task = load_task(config)
+    assert [e.metadata["grade_thinking"] for e in task.train + task.eval] == [True] * 5
+    assert all("grade_thinking" not in e.metadata for e in load_task(DataConfig(task="quickstart")).train)
+    with pytest.raises(ValueError, match=r"data\.grade_thinking"):
+        DataConfig(grade_thinking="yes")
