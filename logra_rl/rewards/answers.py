@@ -8,12 +8,13 @@ Precedence (docs/data.md, "Extraction"):
    label such as `y =`): `\boxed{2} and \boxed{-3}` is `2, -3`; a word such as `or`, `not` or `wait` ends the
    run, and repeats of one answer count once. A statement of the final answer after the last box ("the final
    answer is X", "the answer is X", a line "Answer: X") overrides it;
-2. the last "final answer / answer / therefore / thus ... is | : | =" phrase: the maths right after it, ending
-   where the maths ends (`42 because ...` is `42`); no maths there → the math span inside the phrase
-   (`Therefore $x \geq 5$ is the solution`), else the last maths in its sentence, else its words (`Evelyn`);
+2. the latest answer phrase ("final answer / answer / therefore / thus ... is | are | be | : | =", the verb outside
+   any maths, not a line that checks an answer) that states maths: the maths right after it, ending where the
+   maths ends (`42 because ...` is `42`), else the maths before its verb (`Thus, 5 is the answer`); an answer
+   statement with maths later in its sentence counts too; a phrase of words only is a last resort;
 3. the last line when it is all maths (`x^2+2x+1`), else the last math span (`$...$`, `\(...\)`, `\[...\]`,
    `$$...$$`) taken whole, or a bare number after it (integer, decimal, `1,234`, `1 234`, `.5`, `a/b`,
-   `\frac{a}{b}`, a mixed number `4 4/9`).
+   `\frac{a}{b}`, a mixed number `4 4/9`, a ratio `3:4`). An answer over MAX_ANSWER_CHARS is no answer.
 """
 
 from __future__ import annotations
@@ -24,13 +25,23 @@ from typing import NamedTuple
 from logra_rl.rewards.graders import final_text
 
 BOX_COMMANDS = ("\\boxed", "\\fbox")
+MAX_ANSWER_CHARS = 1000
 
-_KEYWORD = re.compile(r"\b(?:final answer|answer|therefore|thus)\b", re.IGNORECASE)
+_KEYWORD = re.compile(r"\b(?:final answer|answers?|therefore|thus)\b", re.IGNORECASE)
 # A statement of the final answer, as opposed to "we may check our answer: ...".
 _STATEMENT = re.compile(
     r"\bfinal answer\b|\bthe answer(?=\s+is\b)|^[ \t*#]*answer\b(?=[ \t*]*:)", re.IGNORECASE | re.MULTILINE
 )
-_PHRASE = re.compile(r"(?P<gap>[^\n<|]{0,40}?)(?:\bis\b:?|:|=)[ \t]*(?P<tail>[^\n<|]+)", re.IGNORECASE)
+_PHRASE_CHAR = r"(?:(?!<\||</?[a-zA-Z]+>)[^\n])"  # a line's characters up to a `<|marker|>` or a <tag>
+_PHRASE = re.compile(
+    rf"(?P<gap>{_PHRASE_CHAR}{{0,40}}?)(?:\b(?:is|are|was|be|equals)\b:?|:|=)[ \t]*(?P<tail>{_PHRASE_CHAR}+)",
+    re.IGNORECASE,
+)
+# Words that may open a stated answer without being it ("the answer is actually 4").
+_FILLER = re.compile(r"(?:(?:actually|therefore|then|still|indeed|now|clearly|simply|just|exactly)\b[ \t,]*)+", re.I)
+_NEGATION = re.compile(r"\s*not\b", re.IGNORECASE)
+# A phrase that checks an answer rather than stating it ("we may check our answer: 17 * 44 = 748").
+_CHECKING = re.compile(r"\b(?:check|checking|verify|verifying|verification|confirm|confirming|test|testing)\b", re.I)
 _SENTENCE_END = re.compile(r"\.(?!\d)|,\s+(?=[a-z]{2,}\b)")  # "Evelyn, who won." -> "Evelyn"
 _FRACTION = r"\\[dt]?frac\{\d+\}\{\d+\}"
 _NUMBER_FORMS = [
@@ -39,6 +50,7 @@ _NUMBER_FORMS = [
     _FRACTION,
     r"\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])",  # 1,234.5
     r"\d{1,3}(?: \d{3})+(?![\d/])",  # 1 234
+    r"\d+:\d+(?::\d+)?(?!\d)",  # a ratio or a time: 3:4, 2:30
     r"\d+(?:\.\d+)?(?:/\d+)?",
     r"\.\d+",
 ]
@@ -46,7 +58,7 @@ _NUMBER = re.compile(r"(?<![A-Za-z0-9.])-?(?:" + "|".join(_NUMBER_FORMS) + ")")
 # Math spans; content never holds a `$`, and an inline span does not close before a digit ("$5 and $10").
 _MATH_SPAN = re.compile(
     r"\$\$(?P<display>.+?)\$\$|(?<![\\$])\$(?!\s*\$)(?P<inline>(?:\\.|[^$\\])+?)\$(?!\d)"
-    r"|\\\((?P<paren>.+?)\\\)|\\\[(?P<bracket>.+?)\\\]",
+    r"|\\\((?P<paren>(?:(?!\\[()]).)+?)\\\)|\\\[(?P<bracket>(?:(?!\\[\[\]]).)+?)\\\]",  # never past another opener
     re.DOTALL,
 )
 # What may stand between two boxes that together form one answer, and a box's label (`y_1 = \boxed{...}`).
@@ -56,7 +68,8 @@ _JOINERS = re.compile(
 _LABEL = re.compile(r"(?<![\w\\])(?P<label>[a-zA-Z](?:_\{?\w+\}?)?)\s*=\s*$")
 # One token of maths in running text: spans, commands, numbers, words, letters, brackets, symbols.
 _TOKEN = re.compile(
-    r"(?P<space>\s+)|(?P<span>\$[^$]+\$|\\\(.+?\\\)|\\\[.+?\\\])|(?P<command>\\(?:[a-zA-Z]+|[,;:! {}\\]))"
+    r"(?P<space>\s+)|(?P<span>(?<!\\)\$(?!\s*\$)(?:\\.|[^$\\])+?\$(?!\d)|\\\(.+?\\\)|\\\[.+?\\\])"
+    r"|(?P<command>\\(?:[a-zA-Z]+|[,;:! {}\\]))"
     r"|(?P<number>(?:" + _NUMBER_FORMS[0] + r"|\d+(?:\.\d+)?))|(?P<word>[a-zA-Z]{2,})|(?P<letter>[a-zA-Z])"
     r"|(?P<open>[({\[])|(?P<close>[)}\]])"
     r"|(?P<stop>\.(?!\d)|,(?=\s+(?!and\b)[a-zA-Z]{2,}))|(?P<symbol>[-+*/^_=<>|!',;:&%°√π∞·×÷−≤≥≠]|\.)"
@@ -86,19 +99,39 @@ def find_answer(response: str, grade_thinking: bool = False) -> Answer | None:
     text = final_text(response, grade_thinking)
     if not text:
         return None
+    answer = _find(text)
+    return answer if answer is not None and len(answer.text) <= MAX_ANSWER_CHARS else None
+
+
+def _find(text: str) -> Answer | None:
     boxed = _boxed_answer(text)
     if boxed is not None:
         return Answer(boxed)
-    for keyword in reversed(list(_KEYWORD.finditer(text))):
-        answer = _phrase_answer(text, keyword.end())
+    masked = _masked(text)
+    weaker: list[tuple[Answer, bool]] = []  # phrases that state no maths of their own (latest first)
+    for keyword in reversed(list(_KEYWORD.finditer(masked))):
+        answer, stated = _phrase_answer(text, masked, keyword)
+        from_answer_keyword = "answer" in keyword.group().lower()
+        if answer and (stated or (from_answer_keyword and answer.text != answer.sentence)):
+            return answer  # maths right after it, or an answer statement with maths in its sentence
         if answer:
+            weaker.append((answer, from_answer_keyword))
+    # Maths in a "thus ..." sentence, then an answer stated in words ("The answer is Evelyn"), then the last
+    # maths; a "thus ..." sentence of words only comes last.
+    for answer, _ in weaker:
+        if answer.text != answer.sentence:
+            return answer
+    for answer, from_answer_keyword in weaker:
+        if from_answer_keyword:
             return answer
     last_line = text.rsplit("\n", 1)[-1]
     maths, end = _maths_prefix(last_line)
     if maths and not last_line[end:].strip(_TRAILING):
         return Answer(maths)
     last = _last_math(text)
-    return Answer(last) if last else None
+    if last:
+        return Answer(last)
+    return weaker[0][0] if weaker else None
 
 
 def boxes(text: str, command: str) -> list[tuple[int, int, str | None]]:
@@ -126,10 +159,11 @@ def _boxed_answer(text: str) -> str | None:
         if found[-1][2] is None:  # the last box is cut off mid-answer: no box
             return None
         # An explicit statement after the last box wins: "... \boxed{12} apples per crate. The answer is 60."
-        for keyword in reversed(list(_STATEMENT.finditer(text, found[-1][1]))):
-            stated = _phrase_answer(text, keyword.end(), maths_only=True)
-            if stated:
-                return stated.text
+        masked = _masked(text) if _STATEMENT.search(text, found[-1][1]) else ""
+        for keyword in reversed(list(_STATEMENT.finditer(masked, found[-1][1]))):
+            answer, stated = _phrase_answer(text, masked, keyword)
+            if answer and stated:
+                return answer.text
         return _joined(text, found)
     return None
 
@@ -151,22 +185,41 @@ def _joined(text: str, found: list[tuple[int, int, str]]) -> str:
     return ", ".join(dict.fromkeys(parts))  # one answer boxed twice is one answer
 
 
-def _phrase_answer(text: str, position: int, maths_only: bool = False) -> Answer | None:
-    """What an answer phrase ending at `position` states: the leading maths of its tail, else its math span,
-    else (unless `maths_only`) the last maths of its sentence, else the sentence's words."""
-    phrase = _PHRASE.match(text, position)
+def _phrase_answer(text: str, masked: str, keyword: re.Match) -> tuple[Answer | None, bool]:
+    """What the answer phrase at `keyword` says, and whether it states maths of its own: the leading maths of
+    its tail, else the maths between the keyword and its verb (`Thus, 5 is the answer`); failing both, the
+    last maths of its sentence or its words. `masked` is `text` with math spans blanked, so a phrase's verb is
+    never an `=` inside the maths (`Therefore $x^2 = 9$, so $x = 3$` has no phrase)."""
+    line_start = masked.rfind("\n", 0, keyword.start()) + 1
+    if _CHECKING.search(masked, line_start, keyword.start()):  # "let me check the answer: 42 / 6 = 7"
+        return None, False
+    phrase = _PHRASE.match(masked, keyword.end())
     if phrase is None:
-        return None
-    sentence = _SENTENCE_END.split(phrase["tail"], maxsplit=1)[0].strip(" \t*") or None
-    maths, _ = _maths_prefix(phrase["tail"])
+        return None, False
+    tail = text[phrase.start("tail") : phrase.end("tail")]
+    if _NEGATION.match(tail):  # "the answer is not 4" says what the answer is not
+        return None, False
+    filler = _FILLER.match(tail)
+    sentence = _SENTENCE_END.split(tail, maxsplit=1)[0].strip(" \t*") or None
+    maths, _ = _maths_prefix(tail[filler.end() if filler else 0 :])
     if maths:
-        return Answer(maths, sentence)
-    spans = list(_MATH_SPAN.finditer(phrase["gap"]))
-    if spans:
-        return Answer(_span_content(spans[-1]), sentence)
-    if maths_only or sentence is None:
-        return None
-    return Answer(_last_math(sentence) or sentence, sentence)
+        return Answer(maths, sentence), True
+    gap = _last_math(text[phrase.start("gap") : phrase.end("gap")])
+    if gap:
+        return Answer(gap, sentence), True
+    if sentence is None:
+        return None, False
+    return Answer(_last_math(sentence) or sentence, sentence), False
+
+
+def _masked(text: str) -> str:
+    """`text` with every math span's content replaced by `#` (same length, delimiters kept)."""
+    pieces, position = [], 0
+    for span in _MATH_SPAN.finditer(text):
+        group = next(name for name, value in span.groupdict().items() if value is not None)
+        pieces += [text[position : span.start(group)], "#" * (span.end(group) - span.start(group))]
+        position = span.end(group)
+    return "".join(pieces) + text[position:]
 
 
 def _maths_prefix(tail: str) -> tuple[str | None, int]:
@@ -177,8 +230,9 @@ def _maths_prefix(tail: str) -> tuple[str | None, int]:
     while position < len(tail):
         token = _TOKEN.match(tail, position)
         kind = token.lastgroup if token else None
-        if kind == "span" and end == start:
-            return _unwrap(token.group()), token.end()
+        if kind == "span" and end == start:  # the tail starts with maths: it and the spans joined to it
+            joined = _last_math(tail[: _joined_spans_end(tail, token.end())])
+            return joined, _joined_spans_end(tail, token.end())
         if depth > 0 and token is not None:
             depth += {"open": 1, "close": -1}.get(kind, 0)
         elif kind == "word" and token.group().lower() == "and" and _starts_maths(tail, token.end()):
@@ -192,6 +246,13 @@ def _maths_prefix(tail: str) -> tuple[str | None, int]:
         previous, position = kind, token.end()
     maths = _AND.sub(", ", _END_PUNCTUATION.sub("", tail[start:end]).strip(_TRAILING))
     return (maths, end) if any(c.isalnum() or c == "\\" for c in maths) else (None, 0)
+
+
+def _joined_spans_end(text: str, position: int) -> int:
+    """Where the run of math spans that ends at `position` ends, following joiners (`$a$ and $b$`)."""
+    while (span := _MATH_SPAN.search(text, position)) and _JOINERS.fullmatch(text, position, span.start()):
+        position = span.end()
+    return position
 
 
 def _math_word(word: str, previous: str | None) -> bool:
@@ -216,9 +277,15 @@ def _unwrap(span: str) -> str:
 
 
 def _last_math(text: str) -> str | None:
-    """The last math span whole, or the last bare number after it."""
+    """The last math span whole (with the spans before it that only joiners separate from it: `$x = 3$ and
+    $y = -2$`), or the last bare number after it."""
     spans = list(_MATH_SPAN.finditer(text))
     numbers = _NUMBER.findall(text, spans[-1].end() if spans else 0)
     if numbers:
         return numbers[-1]
-    return _span_content(spans[-1]) if spans else None
+    if not spans:
+        return None
+    first = len(spans) - 1
+    while first > 0 and _JOINERS.fullmatch(text, spans[first - 1].end(), spans[first].start()):
+        first -= 1
+    return ", ".join(dict.fromkeys(_span_content(span) for span in spans[first:]))

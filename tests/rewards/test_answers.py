@@ -64,6 +64,32 @@ ANSWER_PHRASE = [
     ("Answer: A KING IS HE", "A KING IS HE", 1.0),  # a text answer written out whole
     ("Answer: B → B → A", "B → B → A", 1.0),
     ("Final Answer: Jane started 3 hours ago.", "3", 1.0),
+    ("The answer is actually 4.", "4", 1.0),
+    ("So the answer must be 7 apples.", "7", 1.0),
+    ("The answers are 2 and 3.", "2, 3", 1.0),
+    ("Thus, 5 is the answer.", "5", 1.0),  # the maths before the verb
+    ("Therefore, 42 is the final answer.", "42", 1.0),
+    ("The ratio is 3:4.", "3:4", 1.0),
+    # a closing remark after the answer does not replace it
+    ("The answer is 5. Thus the problem is solved.", "5", 1.0),
+    ("Answer: 42\n\nTherefore, this is the correct answer.", "42", 1.0),
+    ("Answer: 5.\nThus, it is clear that 4 was wrong.", "5", 1.0),
+    ("The answer is 5. Note that the answer is not 4.", "5", 1.0),
+    ("The answer is 5. Note that the answer is not 4.", "4", 0.0),
+    ("The total is 12. Thus we are done.", "12", 1.0),
+    ("The answer is 42. Let me double check the answer: 42/6 = 7 and 7*6 = 42.", "42", 1.0),
+    # the verb is never an `=` inside the maths
+    ("Therefore $x^2 = 9$, so $x = 3$.", "3", 1.0),
+    ("Therefore $x^2 = 9$, so $x = 3$.", "9", 0.0),
+    ("Thus, since $3 \\times 4 = 12$, the total is $12 + 5 = 17$.", "17", 1.0),
+    ("Thus $x = 3$ and $y = -2$.", "x = 3, y = -2", 1.0),  # spans joined like boxes
+    # inequalities, absolute values and dollar signs inside the phrase
+    ("The answer is $x < 3$.", "x < 3", 1.0),
+    ("Answer: x < 2", "x < 2", 1.0),
+    ("Answer: $-1 < x < 2$", "(-1, 2)", 1.0),
+    ("The answer is $|-7| = 7$.", "7", 1.0),
+    ("The answer is $\\$18$.", "18", 1.0),
+    ("The answer is $18 + $2 = $20.", "20", 1.0),
 ]
 
 # 4. A statement of the final answer after the last box wins; an intermediate box alone does not.
@@ -74,6 +100,10 @@ FINAL_STATEMENT = [
     (r"... so \boxed{12} apples per crate. So all five crates hold 60.", "60", 0.0),  # no final statement
     (r"$17^{-1} \equiv \boxed{44}$. We may check our answer: $17 \cdot 44 = 748$.", "44", 1.0),  # not a statement
     (r"\boxed{44}. This answer is correct.", "44", 1.0),
+    ("\\boxed{5}\n\nWait, I double counted. The answer is actually 4.", "4", 1.0),
+    ("\\boxed{5}\n\n...so the final answer should be 4.", "4", 1.0),
+    ("\\boxed{12}\n\nTo check the final answer: 12 / 3 = 4.", "12", 1.0),  # a check is no statement
+    (r"\boxed{44}. To verify the final answer: $17 \cdot 44 = 748$", "44", 1.0),
 ]
 
 # 5. Reasoning models: the thinking earns nothing.
@@ -165,6 +195,15 @@ def test_long_responses_without_closing_delimiters_grade_within_the_time_limit()
     for opener in ("$", "\\(", "\\[", "$$", "\\boxed{"):
         response = ("We have " + opener + " 5 and ") * 3000 + "so the answer is 7"
         assert grade(response, "7", timeout_s=2.0) == 1.0
+        assert grade(("We have " + opener + " 5 and ") * 3000 + "7", "7", timeout_s=2.0) == 1.0  # the last maths
+
+
+def test_a_runaway_answer_is_no_answer():
+    # Degenerate outputs would only cost math-verify its whole time limit: no answer is that long.
+    for response in ("1 " * 2500, "The answer is " + "(" * 3000, rf"\boxed{{{'x+' * 600}x}}"):
+        assert extract_answer(response) is None
+        assert grade(response, "1", timeout_s=2.0) == 0.0
+    assert extract_answer(rf"\boxed{{{'x+' * 400}x}}") is not None  # long, but within MAX_ANSWER_CHARS
 
 
 def test_the_thinking_rule_reaches_the_grading_subprocess():
