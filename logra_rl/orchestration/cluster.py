@@ -8,12 +8,13 @@ use the CPU device with gloo. So the scheduling code tested on CPU is the code a
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from logra_rl.config import RunConfig
@@ -53,6 +54,22 @@ def start_ray(config: RunConfig) -> bool:
     return True
 
 
+def cpu_threads(group: PlacementGroup) -> list[int]:
+    """torch threads for each bundle's actor: its node's cores shared by the group's actors on that node.
+
+    The loop is synchronous: the engines generate while the train workers wait, then the train workers
+    compute while the engines wait, so a group in its phase has the node's cores to itself. Ray would start
+    each actor with OMP_NUM_THREADS = its `num_cpus` (1 by default), leaving the other cores idle.
+    """
+    bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
+    node_cpus = {node["NodeID"]: int(node["Resources"].get("CPU", 1)) for node in ray.nodes() if node["Alive"]}
+    here = ray.get_runtime_context().get_node_id()
+    if here in node_cpus:  # a local Ray may advertise more CPUs than the machine has (ray.init(num_cpus=...))
+        node_cpus[here] = min(node_cpus[here], len(os.sched_getaffinity(0)))
+    sharers = Counter(bundle_nodes.values())
+    return [max(1, node_cpus.get(node, 1) // sharers[node]) for _, node in sorted(bundle_nodes.items())]
+
+
 class WorkerGroup:
     """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles,
     built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
@@ -76,12 +93,14 @@ class WorkerGroup:
                 f"could not place the {name} group ({count} × {{CPU: {cpus}, GPU: {gpus}}}) within "
                 f"{PLACEMENT_TIMEOUT_S}s; the cluster has {ray.available_resources()}"
             )
+        self.threads = cpu_threads(self.placement_group)
         actor = ray.remote(cls)
         self.actors = [
             actor.options(
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+                runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i])}},
             ).remote(**arguments(i))
             for i in range(count)
         ]

@@ -36,6 +36,7 @@ from logra_rl.rewards import RewardPool
 from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
+from logra_rl.train.api import NoChange, StepResult
 from logra_rl.train.batch import pack_batch
 from logra_rl.utils.checkpoint import Checkpoints, read_controller_state
 from logra_rl.utils.metrics import MetricsLogger
@@ -146,7 +147,11 @@ class Controller:
             advantages = self.advantages(rewards, completions)  # 2. advantages
             batch = pack_batch(completions, advantages, self.workload.pad_id)
             with timer("train"):
-                result = self.train.train_step(batch, step)  # 3.–6. backward, prepare, probe, commit
+                if advantages.any():
+                    result = self.train.train_step(batch, step)  # 3.–6. backward, prepare, probe, commit
+                else:  # no gradient anywhere: an optimizer step could only replay momentum, so none is taken
+                    skipped = {"actor/skipped": float(self.config.algorithm.epochs)}
+                    result = StepResult(self.policy_version, skipped, NoChange("every advantage is 0"))
             self.policy_version = result.policy_version
             with timer("sync"):
                 sync_metrics = self.weight_sync.sync(result.update, result.policy_version, step)  # 7.

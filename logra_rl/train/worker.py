@@ -153,7 +153,8 @@ class TrainWorker:
         serialised on rank 0 only, whose result `TrainGroup` reports for the group.
         """
         algorithm = self.config.algorithm
-        if algorithm.clip_low is not None or algorithm.clip_high is not None:
+        clipped = algorithm.clip_low is not None or algorithm.clip_high is not None
+        if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
             batch = replace(batch, old_logprobs=self.logprobs(batch))
         per_epoch, outcomes, first = [], [], {}
         for epoch in range(algorithm.epochs):

@@ -35,3 +35,27 @@ def test_four_plus_four_placement_on_logical_gpus():
         rollout.kill()
     finally:
         ray.shutdown()
+
+
+class Threads:
+    def count(self):
+        import torch
+
+        return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.environ.get("TOKENIZERS_PARALLELISM")
+
+
+def test_a_group_in_its_phase_gets_the_nodes_cores():
+    """The loop is synchronous, so a group computes alone: one actor gets every core, two split them."""
+    cores = len(os.sched_getaffinity(0))
+    config = RunConfig(cluster=ClusterConfig(train_workers=2, cpus_per_worker=1.0))
+    assert start_ray(config)
+    try:
+        for count in (1, 2):
+            group = WorkerGroup(Threads, count, f"threads{count}", cpus=1, gpus=1, arguments=lambda i: {})
+            expected = max(1, cores // count)
+            assert group.threads == [expected] * count
+            counts = group.gather([a.count.remote() for a in group.actors])
+            assert counts == [(expected, str(expected), "false")] * count  # the run's worker env is kept
+            group.kill()
+    finally:
+        ray.shutdown()

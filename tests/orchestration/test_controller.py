@@ -184,3 +184,28 @@ def test_a_skipped_logra_update_changes_and_sends_nothing(tmp_path, quickstart_m
         assert torch.equal(master_before[name], master_after[name]), name
     assert following["policy/version"] == 2.0 and following["sync/payload_bytes"] > 0
     assert following["sync/weight_max_abs_diff"] == 0.0
+
+
+def test_a_step_with_every_advantage_zero_trains_and_sends_nothing(tmp_path, quickstart_model):
+    """GRPO groups with no reward spread carry no gradient: no train step runs, no weight moves, no payload or
+    resync is sent, the policy version stays, and the metrics say the step's update was skipped."""
+    overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=4", "logger.progress=false"]
+    overrides += ["algorithm=grpo", "rollout.n=4", "data.reward=tests.orchestration.fixed_reward:always_zero"]
+    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
+    controller.setup()
+    try:
+        grid = target_grid(controller)
+        before, master_before = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
+        history = [controller.step(step) for step in range(2)]
+        after, master_after = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
+        versions = list(controller.weight_sync.engine_versions)
+    finally:
+        controller.teardown()
+    for metrics in history:
+        assert metrics["reward/mean"] == 0.0 and metrics["actor/skipped"] == 1.0
+        assert metrics["policy/version"] == 0.0 and versions == [0]
+        assert metrics["sync/payload_bytes"] == 0 and metrics["sync/full_resync_bytes"] == 0
+        assert not any(key.startswith(("logra/", "actor/loss")) for key in metrics)
+    for name in grid:
+        assert torch.equal(before[0][name], after[0][name]), name
+        assert torch.equal(master_before[name], master_after[name]), name

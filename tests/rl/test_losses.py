@@ -62,3 +62,21 @@ def test_a_missing_clip_bound_leaves_that_side_unclipped(clip_low, clip_high, ad
     for token in (0, 1):
         assert (logprobs.grad[0, token] == 0) == (token == clipped_token), token
     assert stats.clipped == float(clipped_token is not None)
+
+
+def test_one_update_per_step_needs_no_old_logprob_pass():
+    """With one update per step π_old is the current policy: the clipped loss from the current log-probs
+    (no separate no-grad pass) has the old-log-prob pass's value and gradient, with nothing clipped."""
+    torch.manual_seed(0)
+    values = torch.randn(3, 5) - 2
+    rollout, advantages, mask = values + 0.1 * torch.randn(3, 5), torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 5)
+    results = []
+    for old in (values.clone(), None):  # the separate pass's values, or none
+        logprobs = values.clone().requires_grad_(True)
+        loss, stats = policy_gradient_loss(
+            logprobs, rollout, advantages, mask, old_logprobs=old, clip_low=0.2, clip_high=0.28
+        )
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad, stats.clipped))
+    (loss_a, grad_a, clipped_a), (loss_b, grad_b, clipped_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and clipped_a == clipped_b == 0
