@@ -15,8 +15,7 @@ train group's: the step, the prompt sampler and the running baseline.
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +41,7 @@ from logra_rl.utils.checkpoint import Checkpoints, read_controller_state
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
 from logra_rl.utils.seeding import ROLLOUT_STREAM, stream_seed
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.seconds[f"timing_s/{name}"] = time.perf_counter() - start
+from logra_rl.utils.timing import Timer
 
 
 class Controller:

@@ -1,7 +1,14 @@
 """RL math: advantages, token log-probs and policy-gradient losses (DESIGN.md §5)."""
 
 from logra_rl.rl.advantages import RunningBaseline, group_advantages, length_weighted
-from logra_rl.rl.logprobs import token_logprobs
+from logra_rl.rl.logprobs import head_logprobs, token_logprobs
 from logra_rl.rl.losses import policy_gradient_loss
 
-__all__ = ["RunningBaseline", "group_advantages", "length_weighted", "policy_gradient_loss", "token_logprobs"]
+__all__ = [
+    "RunningBaseline",
+    "group_advantages",
+    "head_logprobs",
+    "length_weighted",
+    "policy_gradient_loss",
+    "token_logprobs",
+]

@@ -1,8 +1,11 @@
-"""Per-token log-probabilities of the sampled tokens under the policy's logits."""
+"""Per-token log-probabilities of the sampled tokens under the policy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
 
@@ -16,3 +19,30 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
         picked = chunk.gather(-1, targets[:, start : start + LOGPROB_CHUNK]).squeeze(-1)
         chunks.append(picked - torch.logsumexp(chunk, dim=-1))
     return torch.cat(chunks, dim=1)
+
+
+def head_logprobs(
+    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log π(targets[i] | hidden[i]) (float32) for final hidden states (N, H) through the LM head `head`.
+
+    The head runs on LOGPROB_CHUNK positions at a time and, with gradients on, every chunk but the last
+    recomputes its logits in the backward pass (activation checkpointing), so no (N × vocab) tensor ever
+    exists: a microbatch costs one chunk's logits and their gradient instead of two or three full fp32
+    copies. The last chunk's backward comes first, so keeping its logits costs no more than recomputing
+    them: a microbatch of at most one chunk recomputes nothing.
+    """
+
+    def chunk_logprobs(states: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        logits = head(states).float() / temperature
+        return logits.gather(-1, picked[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    chunks = []
+    starts = range(0, max(len(targets), 1), LOGPROB_CHUNK)  # one (empty) chunk keeps the graph whole
+    for start in starts:
+        states, picked = hidden[start : start + LOGPROB_CHUNK], targets[start : start + LOGPROB_CHUNK]
+        if torch.is_grad_enabled() and start != starts[-1]:
+            chunks.append(checkpoint(chunk_logprobs, states, picked, use_reentrant=False))
+        else:
+            chunks.append(chunk_logprobs(states, picked))
+    return torch.cat(chunks)

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import UpdatePayload
-from logra_rl.rl import policy_gradient_loss, token_logprobs
+from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import is_adapter, lora_layers, merged_state
@@ -38,6 +38,7 @@ from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
+from logra_rl.utils.timing import Timer
 
 if TYPE_CHECKING:
     import ray
@@ -105,6 +106,9 @@ class TrainWorker:
         self.model.to_empty(device=self.device)
         self._receive_weights(loaded)
         del loaded
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        self.decoder, self.output_embeddings = base.get_decoder(), base.get_output_embeddings()
+        self.logit_softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 and 3
         self.rule = self.rule_class(self.model, self.config, self.world_size)
         self.model.train()
         return self.rule.version
@@ -154,11 +158,13 @@ class TrainWorker:
         """
         algorithm = self.config.algorithm
         clipped = algorithm.clip_low is not None or algorithm.clip_high is not None
+        timer = Timer()
         if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
-            batch = replace(batch, old_logprobs=self.logprobs(batch))
+            with timer("old_logprobs"):
+                batch = replace(batch, old_logprobs=self.logprobs(batch))
         per_epoch, outcomes, first = [], [], {}
         for epoch in range(algorithm.epochs):
-            sums = self._forward_backward(batch)
+            sums = self._forward_backward(batch, timer)
             first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
             inputs = UpdateInputs(
                 step=step,
@@ -167,7 +173,8 @@ class TrainWorker:
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
                 probe=lambda: self._probe(batch),
             )
-            update_metrics, outcome = self.rule.update(inputs)
+            with timer("update"):
+                update_metrics, outcome = self.rule.update(inputs)
             outcomes.append(outcome)
             tokens = max(sums["tokens"], 1)
             per_epoch.append(
@@ -183,6 +190,7 @@ class TrainWorker:
         metrics = aggregate_epochs(per_epoch)
         metrics["rollout/logprob_diff_mean"] = first["mismatch_all"] / max(first["tokens"], 1)
         metrics.update(self._memory_metrics())
+        metrics.update(timer.seconds)
         return StepResult(policy_version=self.rule.version, metrics=metrics, update=self._weight_update(outcomes))
 
     def _weight_update(self, outcomes: list[Outcome]) -> WeightUpdate:
@@ -195,6 +203,31 @@ class TrainWorker:
 
     def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)
+        told to apply the LM head to the last position only: `_sampled_logprobs` applies it in chunks."""
+        captured = []
+        hook = self.decoder.register_forward_hook(lambda module, inputs, output: captured.append(output[0]))
+        try:
+            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        finally:
+            hook.remove()
+        return captured[0]
+
+    def _head(self, states: torch.Tensor) -> torch.Tensor:
+        """The LM head (its weight still gathered after the root forward), with the model's logit soft-cap."""
+        logits = self.output_embeddings(states)
+        return logits if self.logit_softcap is None else self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+
+    def _sampled_logprobs(self, micro: TrainBatch) -> torch.Tensor:
+        """π_train log-probs of the loss-mask tokens (0 elsewhere), aligned with input_ids[:, 1:]; the full
+        (tokens × vocab) logits never exist."""
+        ids = micro.input_ids.to(self.device)
+        where = micro.loss_mask[:, 1:].to(self.device).bool()
+        hidden = self._hidden_states(ids, micro.attention_mask.to(self.device))[:, :-1]
+        values = head_logprobs(hidden[where], self._head, ids[:, 1:][where], self.temperature)
+        return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values)
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
         """This rank's microbatches, padded with None to the group's largest count.
@@ -214,41 +247,39 @@ class TrainWorker:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """π_train log-probs of every token (no grad), aligned like `rollout_logprobs` (column 0 is 0)."""
+        """π_train log-probs of the loss-mask tokens (no grad; 0 elsewhere), aligned like `rollout_logprobs`."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
         for micro in self._microbatches(batch):
-            part = micro if micro is not None else self._filler(batch)
-            ids = part.input_ids.to(self.device)
-            values = token_logprobs(self._logits(ids, part.attention_mask.to(self.device)), ids, self.temperature)
+            values = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
             if micro is not None:
                 out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
                 row += len(micro)
         return out
 
-    def _forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+    def _forward_backward(self, batch: TrainBatch, timer: Timer) -> dict[str, float]:
         """Loss and backward over token-budgeted microbatches; returns the group's sums (all-reduced)."""
         algorithm = self.config.algorithm
         sums = dict.fromkeys(SUMS, 0.0)
         for micro in self._microbatches(batch):
             micro = micro if micro is not None else self._filler(batch)  # zero loss mask: zero gradient
-            ids = micro.input_ids.to(self.device)
-            logits = self._logits(ids, micro.attention_mask.to(self.device))
-            logprobs = token_logprobs(logits, ids, self.temperature)
             mask = micro.loss_mask[:, 1:].to(self.device)
             rollout = micro.rollout_logprobs[:, 1:].to(self.device)
             old = None if micro.old_logprobs is None else micro.old_logprobs[:, 1:].to(self.device)
-            loss, stats = policy_gradient_loss(
-                logprobs,
-                rollout,
-                micro.advantages.to(self.device),
-                mask,
-                tis_cap=algorithm.tis_cap,
-                old_logprobs=old,
-                clip_low=algorithm.clip_low,
-                clip_high=algorithm.clip_high,
-            )
-            loss.backward()
+            with timer("forward"):
+                logprobs = self._sampled_logprobs(micro)
+                loss, stats = policy_gradient_loss(
+                    logprobs,
+                    rollout,
+                    micro.advantages.to(self.device),
+                    mask,
+                    tis_cap=algorithm.tis_cap,
+                    old_logprobs=old,
+                    clip_low=algorithm.clip_low,
+                    clip_high=algorithm.clip_high,
+                )
+            with timer("backward"):
+                loss.backward()
             mismatch = (rollout - logprobs.detach()) * mask
             completed = micro.completed.to(self.device)[:, None]
             sums["tokens"] += stats.tokens

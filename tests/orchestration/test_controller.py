@@ -31,6 +31,9 @@ REQUIRED = [
     "timing_s/rollout",
     "timing_s/reward",
     "timing_s/train",
+    "timing_s/forward",
+    "timing_s/backward",
+    "timing_s/update",
     "timing_s/sync",
     "timing_s/step",
     "perf/updates_per_hour",
@@ -95,6 +98,8 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
         assert metrics["sync/weight_max_abs_diff"] == 0.0
         assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
         assert metrics["timing_s/step"] < 30  # a hung grader costs at most its timeout
+        inside = sum(metrics[f"timing_s/{phase}"] for phase in ("forward", "backward", "update"))
+        assert 0 < inside <= metrics["timing_s/train"]  # the worker's phases, timed inside the driver's train
     assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}

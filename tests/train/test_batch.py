@@ -26,13 +26,3 @@ def test_microbatches_respect_the_token_budget_and_keep_every_row_once():
     assert all(m.input_ids.numel() <= 8 or len(m) == 1 for m in micro)
     assert torch.cat([m.advantages for m in micro]).tolist() == batch.advantages.tolist()
     assert [m.input_ids.shape[1] for m in micro] == [4, 2, 8, 3]  # trailing padding trimmed
-
-
-def test_token_logprobs_in_chunks_equal_the_full_log_softmax(monkeypatch):
-    import logra_rl.rl.logprobs as logprobs
-
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3)
-    logits = torch.randn(2, 8, 11)
-    ids = torch.randint(0, 11, (2, 8))
-    expected = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(logprobs.token_logprobs(logits, ids, 0.7), expected)
