@@ -15,11 +15,13 @@ train group's: the step, the prompt sampler and the running baseline.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 import torch
 
@@ -61,25 +63,31 @@ class Controller:
 
     def setup(self) -> None:
         """Data, Ray, the train group, the engines and the reward pool; resume; the first full resync."""
-        config, stack = self.config, self._resources
+        config, stack, timer = self.config, self._resources, Timer()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        model_path = resolve_model_path(config, self.run_dir)
-        self.workload = load_workload(config.data, model_path)
-        self.sampler = PromptSampler(self.workload.train, config.data.seed)
-        targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
-        if start_ray(config):
-            stack.callback(ray.shutdown)
-        self.train = TrainGroup(config, model_path)
-        stack.callback(self.train.shutdown)
-        self.rollout = RolloutGroup(config, model_path)
-        stack.callback(self.rollout.shutdown)
-        rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
-        self.grader = CompletionGrader(rewards, self.workload.tokenizer)
-        self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, self.run_dir)
-        self.policy_version = self.train.setup()
-        self.weight_sync = WeightSync(config, self.train, self.rollout, targets)
-        self._resume()
-        self.weight_sync.full_resync(self.policy_version)
+        with timer("startup_data"):
+            model_path = resolve_model_path(config, self.run_dir)
+            self.workload = load_workload(config.data, model_path)
+            self.sampler = PromptSampler(self.workload.train, config.data.seed)
+            targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
+        with timer("startup_ray"):
+            if start_ray(config):
+                stack.callback(ray.shutdown)
+        with timer("startup_workers"):  # the engines load their weights while the train group loads its own
+            self.train = TrainGroup(config, model_path)
+            stack.callback(self.train.shutdown)
+            self.rollout = RolloutGroup(config, model_path)
+            stack.callback(self.rollout.shutdown)
+            rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
+            self.grader = CompletionGrader(rewards, self.workload.tokenizer)
+            self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, self.run_dir)
+            self.policy_version = self.train.setup()
+        with timer("startup_resync"):
+            self.weight_sync = WeightSync(config, self.train, self.rollout, targets)
+            self._resume()
+            self.weight_sync.full_resync(self.policy_version)
+        # from the process's start (imports included) to the first step: logged with that step
+        self.startup = {**timer.seconds, "timing_s/startup": time.time() - psutil.Process().create_time()}
         self.metrics = MetricsLogger(
             self.run_dir, config.logger, self.resolved_config, config.trainer.total_steps, self.start_step
         )
@@ -109,7 +117,7 @@ class Controller:
             self.setup()
             trainer = self.config.trainer
             for step in range(self.start_step, trainer.total_steps):
-                metrics = {}
+                metrics = dict(self.startup) if step == self.start_step else {}
                 if trainer.eval_every and step % trainer.eval_every == 0:
                     metrics.update(self.evaluator.evaluate(step))
                 metrics.update(self.step(step))
