@@ -2,6 +2,7 @@
 exactly, prompted with its chat template, and trained for two steps with an eval through the HF engine."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from logra_rl.models.smollm2 import COMPLETE, fetch_smollm2, gguf_file
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+# A reward with spread in every group: an all-zero step would train nothing (and is skipped), so the sync checks
+# below need every step to have a gradient whatever the 135M model answers.
+SPREAD_REWARD = "tests.orchestration.fixed_reward:response_length"
 # Two steps and an eval in a few minutes on 2 cores: few prompts, short responses.
 SMALL_RUN = [
     "+experiment=smollm2",
@@ -91,11 +96,12 @@ def test_prompts_use_the_chat_template_and_generation_stops_at_im_end(smollm2_mo
 
 def test_two_steps_and_an_eval_on_the_real_model_through_the_hf_engine(tmp_path, smollm2_model):
     result = subprocess.run(
-        [str(BIN / "logra-train"), *SMALL_RUN, "rollout=hf", "trainer.run_name=hf"],
+        [str(BIN / "logra-train"), *SMALL_RUN, "rollout=hf", "trainer.run_name=hf", f"data.reward={SPREAD_REWARD}"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # the test reward, importable from tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "outputs/smollm2/hf/metrics.jsonl").read_text().splitlines()]
@@ -104,6 +110,6 @@ def test_two_steps_and_an_eval_on_the_real_model_through_the_hf_engine(tmp_path,
         assert record["sync/weight_max_abs_diff"] == 0.0  # the engine holds bf16(master) exactly
         assert abs(record["rollout/logprob_diff_mean"]) <= 1e-2, record["rollout/logprob_diff_mean"]
         assert record["sync/payload_bytes"] > 0 and record["sync/full_resync_bytes"] == 0
-        # the preset's per-token KL budget, not the toy's 5e-2 (an all-equal-reward step realises 0)
+        # the preset's per-token KL budget, not the toy's 5e-2
         assert record["logra/kl_budget"] <= 2e-3 and 0 <= record["logra/kl_realized"] <= 2 * record["logra/kl_budget"]
     assert 0 <= records[-1]["eval/reasoning_gym/pass@1"] <= records[-1]["eval/reasoning_gym/pass@2"] <= 1

@@ -6,6 +6,7 @@ Runs in the vLLM virtual environment (`make test` builds `.venv-vllm`); skipped 
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from logra_rl.rollout.base import EngineSpec  # noqa: E402
 from logra_rl.rollout.vllm_engine import cpu_kv_cache_gib  # noqa: E402
 from logra_rl.rollout.vllm_worker import in_place_targets  # noqa: E402
 from logra_rl.train.api import LowRankPayloads  # noqa: E402
-from tests.models.test_smollm2 import SMALL_RUN  # noqa: E402
+from tests.models.test_smollm2 import REPO, SMALL_RUN, SPREAD_REWARD  # noqa: E402
 from tests.orchestration.test_controller import next_batch, run_config  # noqa: E402
 from tests.rollout.test_vllm_layers import vllm_layer  # noqa: E402
 from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer, payload_for, updated  # noqa: E402
@@ -141,6 +142,7 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
         "rollout.resync_every=2",  # step 1 ends with a full resync
         "data.eval_size=16",  # 16 prompts x 2 samples in one generate call
         "trainer.run_name=vllm",
+        f"data.reward={SPREAD_REWARD}",  # every step has a gradient, so step 0 sends a payload
     ]
     result = subprocess.run(
         [str(Path(sys.executable).parent / "logra-train"), *run],
@@ -148,6 +150,7 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
