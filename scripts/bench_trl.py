@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import transformers
 from hydra import compose, initialize_config_module
@@ -69,19 +70,23 @@ LOGRA_PHASES = ("rollout", "reward", "train", "forward", "backward", "update", "
 
 
 def used_bytes() -> int:
-    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
+    memory = psutil.virtual_memory()  # MemTotal - MemAvailable on Linux
+    return memory.total - memory.available
 
 
 def run_measured(command: list[str], log: Path) -> tuple[float, float]:
     """Run `command` to completion; (wall seconds, peak used memory above the idle level in GiB)."""
-    idle = statistics.median(used_bytes() for _ in range(10) if time.sleep(0.2) is None)
-    peak, done = [idle], threading.Event()
+    done = threading.Event()
+    idle = []
+    for _ in range(10):
+        idle.append(used_bytes())
+        done.wait(0.2)
+    idle_bytes = statistics.median(idle)
+    peak = [idle_bytes]
 
     def sample() -> None:
-        while not done.is_set():
+        while not done.wait(0.2):
             peak[0] = max(peak[0], used_bytes())
-            time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -92,7 +97,7 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
     sampler.join()
     if code != 0:
         raise SystemExit(f"{' '.join(command[:3])} ... failed ({code}); its output: {log}")
-    return time.time() - start, (peak[0] - idle) / GIB
+    return time.time() - start, (peak[0] - idle_bytes) / GIB
 
 
 def trl_python() -> Path:
