@@ -53,7 +53,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     resync_every: int = 50  # full weight resync every K steps (0: only at start, on resume and after a refusal)
-    resync_bucket_mb: float = 1024  # a full resync streams the fp32 master in buckets of about this size
+    resync_bucket_mb: float = 128  # a full resync streams the fp32 master in buckets of about this size
     probe_coordinates: int = 16  # drift probe: weight coordinates compared per target each step
     eval_temperature: float = 0.7
     eval_top_p: float = 0.7
@@ -158,9 +158,16 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    """`address`: null starts a local Ray (logical GPUs on a CPU machine); `auto` or host:port joins a cluster."""
+    """`address`: null starts a local Ray (logical GPUs on a CPU machine); `auto` or host:port joins a cluster.
+
+    `object_store_mb`: a local Ray's shared-memory object store. Its pages stay used memory once written,
+    until Ray exits, so on a machine without CUDA it defaults to what a run keeps in flight (three full-resync
+    buckets, at least 256 MB; a larger object goes to a file-backed fallback, slower but correct), not Ray's
+    30% of RAM; null on a GPU node keeps Ray's default.
+    """
 
     address: str | None = None
+    object_store_mb: int | None = None
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,29 @@ def used_bytes() -> int:
     return memory.total - memory.available
 
 
-def run_measured(command: list[str], log: Path) -> tuple[float, float]:
-    """Run `command` to completion; (wall seconds, peak used memory above the idle level in GiB)."""
+def process_label(process: psutil.Process) -> str:
+    """A name for one process of the run: Ray titles its actors `ray::Class.method`."""
+    command = " ".join(process.cmdline()) or process.name()
+    if command.startswith("ray::"):
+        return command.split()[0].split(".")[0]
+    words = command.split()
+    if "multiprocessing" in command:
+        return "python (grading process)"
+    script = next((Path(w).name for w in words[1:] if w.endswith(".py") or w.startswith("logra_rl")), "")
+    return f"{Path(words[0]).name} {script}".strip()
+
+
+def anonymous_bytes(pid: int) -> int:
+    """Private memory of a process (RssAnon): what it adds to the machine's used memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_measured(command: list[str], log: Path) -> tuple[float, float, dict[str, float]]:
+    """Run `command` to completion; (wall seconds, peak used memory above the idle level in GiB,
+    each of its processes' peak private memory in GiB, summed over processes of one label)."""
     done = threading.Event()
     idle = []
     for _ in range(10):
@@ -83,21 +104,32 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
         done.wait(0.2)
     idle_bytes = statistics.median(idle)
     peak = [idle_bytes]
+    process_peaks: dict[int, tuple[str, int]] = {}
 
-    def sample() -> None:
+    def sample(root: psutil.Process) -> None:
         while not done.wait(0.2):
             peak[0] = max(peak[0], used_bytes())
+            for process in [root, *root.children(recursive=True)]:
+                try:
+                    before = process_peaks.get(process.pid, ("", 0))[1]  # Ray retitles its workers: label anew
+                    process_peaks[process.pid] = (process_label(process), max(before, anonymous_bytes(process.pid)))
+                except (psutil.Error, OSError):
+                    continue
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     start = time.time()
     with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        sampler = threading.Thread(target=sample, args=(psutil.Process(child.pid),), daemon=True)
+        sampler.start()
+        code = child.wait()
     done.set()
     sampler.join()
     if code != 0:
         raise SystemExit(f"{' '.join(command[:3])} ... failed ({code}); its output: {log}")
-    return time.time() - start, (peak[0] - idle_bytes) / GIB
+    by_label: dict[str, float] = {}
+    for label, bytes_ in process_peaks.values():
+        by_label[label] = by_label.get(label, 0.0) + bytes_ / GIB
+    return time.time() - start, (peak[0] - idle_bytes) / GIB, dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
 
 
 def trl_python() -> Path:
@@ -127,7 +159,7 @@ def run_trl(lora: bool, model: Path, prompts: Path, work: Path, steps: int) -> d
     out = work / f"trl_{'lora' if lora else 'dense'}.json"
     command = [str(trl_python()), str(Path(__file__).with_name("trl_grpo_job.py")), "--model", str(model)]
     command += ["--prompts", str(prompts), "--out", str(out), "--steps", str(steps)] + (["--lora"] if lora else [])
-    wall, memory = run_measured(command, out.with_suffix(".log"))
+    wall, memory, processes = run_measured(command, out.with_suffix(".log"))
     job = json.loads(out.read_text())
     steps_s, generation = job["step_s"][1:], job["generation_s"][1:]
     return {
@@ -136,6 +168,7 @@ def run_trl(lora: bool, model: Path, prompts: Path, work: Path, steps: int) -> d
         "train_s": statistics.median(s - g for s, g in zip(steps_s, generation, strict=True)),
         "startup_s": job["startup_s"],
         "memory_gib": memory,
+        "process_peaks_gib": processes,
         "wall_s": wall,
         "reward_mean": job["reward_mean"],
         "gradient_checkpointing": job["gradient_checkpointing"],
@@ -146,7 +179,7 @@ def run_logra(optimizer: str, job: list[str], work: Path) -> dict:
     run_dir = work / f"logra_{optimizer}"
     command = [str(Path(sys.executable).with_name("logra-train")), *job, *OPTIMIZERS[optimizer]]
     command += [f"trainer.output_dir={run_dir}"]
-    wall, memory = run_measured(command, work / f"logra_{optimizer}.log")
+    wall, memory, processes = run_measured(command, work / f"logra_{optimizer}.log")
     records = [json.loads(line) for line in next(run_dir.rglob("metrics.jsonl")).read_text().splitlines()]
     later = records[1:]
 
@@ -162,6 +195,7 @@ def run_logra(optimizer: str, job: list[str], work: Path) -> dict:
         "startup_s": records[0]["timing_s/startup"],
         "startup_parts_s": {k: v for k, v in records[0].items() if k.startswith("timing_s/startup_")},
         "memory_gib": memory,
+        "process_peaks_gib": processes,
         "wall_s": wall,
         "reward_mean": statistics.fmean(r["reward/mean"] for r in records),
         "skipped_updates": sum(r.get("actor/skipped", 0.0) for r in records),

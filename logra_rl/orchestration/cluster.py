@@ -21,6 +21,7 @@ from logra_rl.config import RunConfig
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 PLACEMENT_TIMEOUT_S = 120
+MIN_OBJECT_STORE_MB = 256
 
 
 def gpus_needed(config: RunConfig) -> int:
@@ -44,9 +45,13 @@ def start_ray(config: RunConfig) -> bool:
         )
     cpus = int(config.cluster.cpus_per_worker * (config.cluster.train_workers + config.rollout.num_engines)) + 1
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private cluster: no token files
+    store_mb = config.ray.object_store_mb
+    if store_mb is None and not cuda:
+        store_mb = max(MIN_OBJECT_STORE_MB, int(3 * config.rollout.resync_bucket_mb))
     ray.init(
         num_cpus=max(os.cpu_count() or 1, cpus),
         num_gpus=cuda or needed,  # logical GPUs on a CPU machine
+        object_store_memory=store_mb * 2**20 if store_mb else None,
         include_dashboard=False,
         runtime_env=runtime_env,
         log_to_driver=True,

@@ -65,10 +65,8 @@ class Controller:
         """Data, Ray, the train group, the engines and the reward pool; resume; the first full resync."""
         config, stack, timer = self.config, self._resources, Timer()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with timer("startup_data"):
+        with timer("startup_model"):
             model_path = resolve_model_path(config, self.run_dir)
-            self.workload = load_workload(config.data, model_path)
-            self.sampler = PromptSampler(self.workload.train, config.data.seed)
             targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
         with timer("startup_ray"):
             if start_ray(config):
@@ -78,6 +76,9 @@ class Controller:
             stack.callback(self.train.shutdown)
             self.rollout = RolloutGroup(config, model_path)
             stack.callback(self.rollout.shutdown)
+            with timer("startup_data"):  # while the actors start
+                self.workload = load_workload(config.data, model_path)
+                self.sampler = PromptSampler(self.workload.train, config.data.seed)
             rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
             self.grader = CompletionGrader(rewards, self.workload.tokenizer)
             self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, self.run_dir)

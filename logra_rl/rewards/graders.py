@@ -14,9 +14,6 @@ from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
-from reasoning_gym import create_dataset
-from reasoning_gym.utils import extract_answer
-
 RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
 
 _REWARDS: dict[str, RewardFunction] = {}
@@ -107,6 +104,8 @@ def exact_match_reward(response: str, answer: str, metadata: Mapping[str, Any]) 
 @cache
 def _reasoning_gym_dataset(name: str, config_json: str):
     """A dataset instance to score with (scoring never depends on its seed or size, only on its config)."""
+    from reasoning_gym import create_dataset
+
     return create_dataset(name, **json.loads(config_json))
 
 
@@ -119,6 +118,9 @@ def reasoning_gym_reward(response: str, answer: str, metadata: Mapping[str, Any]
     optionally `dataset_config` (the generator kwargs: some scorers read them). Raw text is never passed to
     the scorer: reasoning-gym gives partial credit to near-misses such as a whole sentence containing the answer.
     """
+    # imported here: reasoning-gym (1.2 s, matplotlib) would load in every grading process of every reward
+    from reasoning_gym.utils import extract_answer
+
     missing = [key for key in ("dataset", "entry") if key not in metadata]
     if missing:
         raise ValueError(

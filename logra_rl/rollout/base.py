@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from logra_rl.config import RunConfig
@@ -83,9 +85,10 @@ class RolloutEngine(Protocol):
         """Merge a LoGRA payload in place (version-gated); a refusal is reported, never raised."""
 
     def load_weights(
-        self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
+        self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
     ) -> SyncResult:
-        """Bucket `bucket` of `buckets` of a full resync of fp32 master weights (HF names)."""
+        """Bucket `bucket` of `buckets` of a full resync of fp32 master weights (HF names): numpy arrays
+        from the trainer (zero-copy out of Ray's object store), or tensors."""
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Targeted weights at HF (rows, cols), full values (the drift probe); targets the engine cannot

@@ -7,6 +7,9 @@ a full resync loads the trainer's fp32 master state.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -14,7 +17,7 @@ from transformers.generation import LogitsProcessor, LogitsProcessorList, Temper
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
-from logra_rl.rollout.resync import BucketedResync
+from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
 from logra_rl.utils.state_dict import tied_duplicates
 
@@ -126,10 +129,11 @@ class HFEngine(RolloutEngine):
         return SyncResult(applied=True, version=self.version)
 
     def load_weights(
-        self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
+        self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
     ) -> SyncResult:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's fp32 master state (HF names):
         weights and exact residuals; the last bucket sets `version` once every weight has arrived."""
+        state = bucket_tensors(state)
         unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"full resync sent weights this model does not have: {unexpected[:4]}")

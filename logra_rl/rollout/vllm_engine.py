@@ -10,11 +10,13 @@ applied payload or resync the prefix cache is reset: cached KV was computed by o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout.resync import bucket_tensors
 from logra_rl.utils.shards import combine_shards
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
@@ -130,9 +132,9 @@ class VLLMEngine(RolloutEngine):
         return self._sync("logra_apply", bytes(payload))
 
     def load_weights(
-        self, state: dict[str, torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
+        self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
     ) -> SyncResult:
-        return self._sync("logra_load", state, version, bucket, buckets)
+        return self._sync("logra_load", bucket_tensors(state), version, bucket, buckets)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Each coordinate comes from the TP rank that holds it (NaN on the others; replicated rows agree)."""

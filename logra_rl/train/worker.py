@@ -357,12 +357,13 @@ class TrainWorker:
         return full
 
     def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
-        """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere): the driver
-        passes the reference on to the engines and never holds the weights itself."""
+        """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere) as numpy
+        arrays, which the engines read without a copy: the driver passes the reference on to the engines
+        and never holds the weights itself."""
         import ray
 
         state = self.full_state(keys)
-        return ray.put(state) if state is not None else None
+        return ray.put({k: v.numpy() for k, v in state.items()}) if state is not None else None
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), combined

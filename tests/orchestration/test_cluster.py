@@ -2,9 +2,11 @@
 
 import os
 
+import numpy as np
+import pytest
 import ray
 
-from logra_rl.config import ClusterConfig, RolloutConfig, RunConfig
+from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig
 from logra_rl.orchestration.cluster import WorkerGroup, start_ray
 
 
@@ -33,6 +35,23 @@ def test_four_plus_four_placement_on_logical_gpus():
         assert ray.available_resources().get("GPU", 0) == 0
         train.kill()
         rollout.kill()
+    finally:
+        ray.shutdown()
+
+
+def test_a_local_ray_without_cuda_gets_an_object_store_of_three_resync_buckets():
+    """Written object-store pages stay used memory until Ray exits: the store is sized to what a run
+    keeps in flight, and an object larger than it still goes through (served from a file)."""
+    assert start_ray(RunConfig(rollout=RolloutConfig(resync_bucket_mb=100)))
+    try:
+        assert ray.cluster_resources()["object_store_memory"] == pytest.approx(300 * 2**20, rel=0.01)
+    finally:
+        ray.shutdown()
+    assert start_ray(RunConfig(ray=RayConfig(object_store_mb=100)))
+    try:
+        assert ray.cluster_resources()["object_store_memory"] == pytest.approx(100 * 2**20, rel=0.01)
+        array = np.arange(40 * 2**20, dtype=np.float32)  # 160 MB
+        assert np.array_equal(ray.get(ray.put(array)), array)
     finally:
         ray.shutdown()
 

@@ -111,6 +111,22 @@ def test_full_resync_resets_version_and_weights(quickstart_model):
         assert torch.equal(weight, master[name].to(torch.bfloat16)), name
 
 
+def test_resync_from_read_only_arrays_as_the_object_store_serves_them(quickstart_model):
+    """The trainer sends numpy arrays, read without a copy from Ray's shared memory (read-only views)."""
+    engine = hf_engine(quickstart_model, "bfloat16", "float32")
+    master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
+    master = {k: v + 0.01 for k, v in master.items()}
+    arrays = {k: v.numpy().copy() for k, v in master.items()}
+    for array in arrays.values():
+        array.setflags(write=False)
+    assert engine.load_weights(arrays, version=3).version == 3
+    for name, weight in engine.model.state_dict().items():
+        assert torch.equal(weight, master[name].to(torch.bfloat16)), name
+    for name, target in engine.merger.targets.items():
+        assert torch.equal(target.weight.float() + target.residual, master[f"{name}.weight"]), name
+    assert all(torch.equal(torch.from_numpy(arrays[k].copy()), master[k]) for k in master)  # only read
+
+
 def test_resync_in_buckets_sets_the_version_only_when_every_weight_arrived(quickstart_model):
     engine = hf_engine(quickstart_model, "bfloat16", "float32")
     master = AutoModelForCausalLM.from_pretrained(quickstart_model, dtype=torch.float32).state_dict()
