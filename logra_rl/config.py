@@ -48,7 +48,7 @@ class RolloutConfig:
     num_engines: int = 1
     gpus_per_engine: int = 1
     dtype: str = "bfloat16"
-    residual: str = "float32"  # error-feedback residual of the in-place merges: float32 | bfloat16 | none
+    residual: str = "tail"  # residual of the in-place merges: tail (exact, 2 bytes) | float32 | bfloat16 | none
     n: int = 1  # responses per prompt (GRPO groups when > 1)
     temperature: float = 1.0
     top_p: float = 1.0

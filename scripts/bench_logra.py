@@ -46,6 +46,7 @@ from logra_rl.logra import (
     UpdatePayload,
     find_targets,
     hf_targets,
+    join_master,
     make_projection,
     merge_low_rank_,
     projection_fingerprint,
@@ -56,7 +57,7 @@ from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
 SECTIONS = ("memory", "time", "payload", "apply", "drift")
 MEMORY_TARGET = 0.40  # LoGRA peak RSS / dense peak RSS
 TIME_TARGET = 0.85  # LoGRA step time / dense step time at rank 64
-RESIDUALS = ("float32", "bfloat16", "none")  # rollout-side residual dtypes compared in the drift section
+RESIDUALS = ("tail", "float32", "bfloat16", "none")  # rollout-side residuals compared in the drift section
 CHILD_PREFIX = "BENCH_CHILD "
 GIB = 2**30
 MIB = 2**20
@@ -591,7 +592,7 @@ def drift_metrics(weight: torch.Tensor, master: torch.Tensor, master0: torch.Ten
 
 
 def bench_drift(args: argparse.Namespace) -> dict[str, Any]:
-    """An fp32 master and bf16 rollout copies (residual fp32 / bf16 / none) fed the same payloads."""
+    """An fp32 master and bf16 rollout copies (residual tail / fp32 / bf16 / none) fed the same payloads."""
     name, size, rank, ratio = "model.layers.0.mlp.down_proj", args.drift_size, 16, LoGRAConfig().update_ratio
     generator = torch.Generator().manual_seed(0)
     master = torch.randn(size, size, generator=generator).mul_(0.02)
@@ -613,6 +614,9 @@ def bench_drift(args: argparse.Namespace) -> dict[str, Any]:
             merger.apply(payload)
         changed.append(float((mergers["float32"].weights[name] != before).float().mean()))
     rows = [{"residual": dtype, **drift_metrics(m.weights[name], master, master0)} for dtype, m in mergers.items()]
+    tail = mergers["tail"].targets[name]
+    rows[0]["master_bit_equal_fraction"] = float((join_master(tail.weight, tail.residual) == master).float().mean())
+    rows[0]["exact_ties"] = int((tail.weight != master.to(torch.bfloat16)).sum())
     rows.append({"residual": "ideal: bf16(master)", **drift_metrics(master.to(torch.bfloat16), master, master0)})
     accumulated = float(torch.linalg.vector_norm(master - master0) / torch.linalg.vector_norm(master0))
     return {
@@ -657,6 +661,11 @@ def print_drift(result: dict[str, Any], plain: bool) -> None:
         "rel. drift = ‖W_rollout − bf16(master)‖ / ‖master − master_0‖"
     )
     show(title, columns, table, plain)
+    tail = result["rows"][0]
+    print(
+        f"tail residual: bf16 + tail equals the fp32 master for {100 * tail['master_bit_equal_fraction']:.2f}% "
+        f"of elements; the bf16 weight differs from bf16(master) at {tail['exact_ties']} exact ties"
+    )
     fraction = result["changed_fraction_per_step"]
     estimate = result["sparse_delta_estimate"]
     sparse = [[row["model"], f"{100 * fraction:.2f}%", f"{row['bytes'] / MIB:.1f} MiB"] for row in estimate]

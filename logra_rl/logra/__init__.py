@@ -21,7 +21,9 @@ from logra_rl.logra.merge import (
     PayloadRefused,
     apply_payload,
     hf_targets,
+    join_master,
     merge_low_rank_,
+    split_master,
 )
 from logra_rl.logra.optimizer import LoGRAOptimizer
 from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
@@ -49,6 +51,7 @@ __all__ = [
     "find_targets",
     "finite_difference_kl",
     "hf_targets",
+    "join_master",
     "jvp_kl",
     "make_projection",
     "merge_low_rank_",
@@ -57,6 +60,7 @@ __all__ = [
     "projection_seed",
     "row_adam_direction",
     "scheduled_budget",
+    "split_master",
     "step_kl",
     "step_scale",
 ]

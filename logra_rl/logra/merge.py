@@ -6,6 +6,10 @@ residual R per weight: acc = W + R − U·A in fp32, W ← round(acc), R ← acc
 residual, W + R tracks the trainer's fp32 master exactly, so W equals bf16(master) bit for bit
 (given the same U, A and row chunking as the trainer).
 
+The `tail` residual carries the same information in 2 bytes instead of 4: the master's fp32 bit
+pattern minus the bf16 weight's, an int16 (`split_master` / `join_master`). bf16 + tail is the
+master bit for bit; the weight is bf16(master) except at exact ties (see `split_master`).
+
 A merge is not idempotent, so payloads are version-gated: a payload applies only on top of
 the version it was built for, and is checked completely before the first write. An error
 after the first write leaves the copy marked as needing a full resync.
@@ -21,11 +25,56 @@ import torch
 from logra_rl.logra.payload import UpdatePayload
 from logra_rl.logra.projection import projection_fingerprint
 
-RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
+RESIDUAL_DTYPES = {"tail": torch.int16, "float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
+TIE = 0x8000  # a master exactly halfway between two bf16 values: the tail would be +2^15, one past int16
+BF16_STEP = 0x10000  # one bf16 step in the fp32 bit pattern
 
 
 class PayloadRefused(ValueError):
     """The payload cannot be applied to these weights; nothing was written."""
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 master as (bf16 weight, int16 tail) with `join_master(weight, tail)` equal to it bit for bit.
+
+    Same-signed floats are ordered like their bit patterns, across binade edges, zeros and subnormals
+    alike, and bf16 values are the patterns whose low 16 bits are 0; so the master's pattern minus its
+    nearest bf16's lies in [−2^15, 2^15]. At an exact tie round-to-nearest-even may give +2^15, which int16
+    cannot hold: there the weight is the other, equally near neighbour (one bf16 step further from zero)
+    and the tail −2^15. Everywhere else the weight is bf16(master).
+    """
+    bits = master.float().view(torch.int32)
+    weight = master.to(torch.bfloat16)
+    tail = bits - weight.float().view(torch.int32)
+    tie = tail == TIE
+    if bool(tie.any()):
+        weight_bits = weight.view(torch.int16)  # +1 is one step further from zero for either sign
+        weight = torch.where(tie, weight_bits + 1, weight_bits).view(torch.bfloat16)
+        tail = torch.where(tie, tail - BF16_STEP, tail)
+    return weight, tail.to(torch.int16)
+
+
+def join_master(weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that `split_master` turned into (weight, tail)."""
+    return (weight.float().view(torch.int32) + tail.to(torch.int32)).view(torch.float32)
+
+
+def residual_torch_dtype(residual_dtype: str) -> torch.dtype | None:
+    if residual_dtype not in RESIDUAL_DTYPES:
+        raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
+    return RESIDUAL_DTYPES[residual_dtype]
+
+
+def new_residual(weight: torch.Tensor, residual_dtype: str) -> torch.Tensor | None:
+    """A zero residual for `weight` (W alone is the master until the first merge), or None."""
+    dtype = residual_torch_dtype(residual_dtype)
+    if dtype == torch.int16 and weight.dtype != torch.bfloat16:
+        if weight.dtype == torch.float32:
+            return None  # fp32 weights are their own master: merges are exact in place
+        raise ValueError(
+            f"residual=tail is exact for bfloat16 weights, not {weight.dtype}; use residual=float32 for these"
+        )
+    return None if dtype is None else torch.zeros_like(weight, dtype=dtype)
 
 
 def row_chunks(rows: int, chunk_rows: int, row_offset: int = 0) -> list[slice]:
@@ -70,7 +119,8 @@ def merge_low_rank_(
     """weight ← weight − factor·projection in place, in row chunks, rounding once per element.
 
     `factor` holds the rows of U matching `weight`'s rows; no full ΔW is ever materialised.
-    `residual` (same shape as weight) carries the rounding error of low-precision weights.
+    `residual` (same shape as weight) carries the rounding error of low-precision weights: an fp32 or
+    bf16 difference, or an int16 tail (`split_master`).
     Each element's change comes from `low_rank_change`, which does not depend on the chunking, so
     holders of a row with different shard or tensor-parallel layouts compute the same bits;
     `row_offset` (the global index of weight's first row) still aligns chunks to global multiples
@@ -86,6 +136,11 @@ def merge_low_rank_(
                 weight[rows].sub_(change)
                 continue
             target = weight[rows]
+            if residual is not None and residual.dtype == torch.int16:
+                rounded, tail = split_master(join_master(target, residual[rows]) - change)
+                target.copy_(rounded)
+                residual[rows].copy_(tail)
+                continue
             acc = target.to(torch.float32, copy=True)
             if residual is not None:
                 acc += residual[rows]
@@ -107,13 +162,11 @@ class MergeTarget:
     cols: slice = field(default_factory=lambda: slice(None))
 
 
-def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "float32") -> dict[str, MergeTarget]:
+def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "tail") -> dict[str, MergeTarget]:
     """Targets for HF-layout weights (name → (d_out, k_in) tensor), each with a fresh zero residual."""
-    if residual_dtype not in RESIDUAL_DTYPES:
-        raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
-    dtype = RESIDUAL_DTYPES[residual_dtype]
+    residual_torch_dtype(residual_dtype)  # checked even when there are no weights
     return {
-        name: MergeTarget(weight, None if dtype is None else torch.zeros_like(weight, dtype=dtype), tuple(weight.shape))
+        name: MergeTarget(weight, new_residual(weight, residual_dtype), tuple(weight.shape))
         for name, weight in weights.items()
     }
 
@@ -208,7 +261,8 @@ class PayloadMerger:
         self.version = payload.new_version
 
     def resync(self, master: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's HF-named master weights: W ← round(master), R ← master − W (exact for fp32 R)."""
+        """Load the trainer's HF-named master weights: W ← round(master), R ← master − W (exact for an fp32
+        or tail R)."""
         self.begin_resync()
         self.load(master)
         self.finish_resync(version)
@@ -224,6 +278,12 @@ class PayloadMerger:
             for name in self.targets.keys() & master.keys():
                 target = self.targets[name]
                 source = master[name][target.rows, target.cols].to(device=target.weight.device)
+                if target.residual is not None and target.residual.dtype == torch.int16:
+                    weight, tail = split_master(source)
+                    target.weight.copy_(weight)
+                    target.residual.copy_(tail)
+                    self._loaded.add(name)
+                    continue
                 target.weight.copy_(source)
                 if target.residual is not None:
                     target.residual.copy_(source.float() - target.weight.float())

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from logra_rl.config import RunConfig
+from logra_rl.logra import split_master
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rollout import SyncResult
@@ -83,8 +84,16 @@ class WeightSync:
     def _record(self, results: list[SyncResult]) -> None:
         self.engine_versions = [r.version for r in results]
 
+    def _rounded(self, master: torch.Tensor) -> torch.Tensor:
+        """The engine-dtype value an exact merge leaves for `master`, as float32."""
+        dtype = getattr(torch, self.config.rollout.dtype)
+        if self.config.rollout.residual == "tail" and dtype == torch.bfloat16:
+            return split_master(master)[0].float()
+        return master.to(dtype).float()
+
     def drift(self, step: int) -> float:
-        """max |W_rollout − bf16(master)| at seeded coordinates of every target (0 with an fp32 residual)."""
+        """max |W_rollout − bf16(master)| at seeded coordinates of every target (0 with an exact residual;
+        with the tail, bf16(master) is `split_master`'s, the other nearest neighbour at exact ties)."""
         generator = torch.Generator().manual_seed(stream_seed(self.config.trainer.seed, step, DRIFT_STREAM) % 2**63)
         count = self.config.rollout.probe_coordinates
         coordinates = {
@@ -95,10 +104,10 @@ class WeightSync:
             for name, (rows, cols) in self.targets.items()
         }
         masters = self.train.weights_at(coordinates)
-        dtype = getattr(torch, self.config.rollout.dtype)
+        expected = {name: self._rounded(master) for name, master in masters.items()}
         worst = 0.0
         for engine in self.rollout.weights_at(coordinates):
             for name, values in engine.items():  # an engine in full-resync mode cannot read its weights
-                difference = (values - masters[name].to(dtype).float()).abs()
+                difference = (values - expected[name]).abs()
                 worst = max(worst, float("inf") if difference.isnan().any() else float(difference.max()))
         return worst

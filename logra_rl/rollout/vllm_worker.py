@@ -32,7 +32,7 @@ from logra_rl.logra import (
     find_targets,
     hf_targets,
 )
-from logra_rl.logra.merge import RESIDUAL_DTYPES
+from logra_rl.logra.merge import new_residual
 from logra_rl.rollout.resync import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 from logra_rl.utils.state_dict import tied_duplicates
@@ -77,9 +77,8 @@ def layout_refusal(model: torch.nn.Module) -> str:
 
 def in_place_targets(model: torch.nn.Module, residual_dtype: str, target_modules: tuple[str, ...]) -> dict:
     """MergeTargets over vLLM's own parameters, each placement confirmed by a dry run of its loader."""
-    dtype = RESIDUAL_DTYPES[residual_dtype]
     params = dict(model.named_parameters())
-    residuals: dict[str, torch.Tensor] = {}
+    residuals: dict[str, torch.Tensor | None] = {}
     targets = {}
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}"
@@ -100,9 +99,9 @@ def in_place_targets(model: torch.nn.Module, residual_dtype: str, target_modules
                 placement.hf_shape,
             )
             check_placement(placement, found, param.shape[0])
-            if dtype is not None and placement.param not in residuals:
-                residuals[placement.param] = torch.zeros_like(param, dtype=dtype)
-            residual = residuals.get(placement.param)
+            if placement.param not in residuals:
+                residuals[placement.param] = new_residual(param.data, residual_dtype)
+            residual = residuals[placement.param]
             targets[name] = MergeTarget(
                 param.data[placement.dst_rows],
                 None if residual is None else residual[placement.dst_rows],

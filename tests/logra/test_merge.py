@@ -14,8 +14,10 @@ from logra_rl.logra import (
     UpdatePayload,
     apply_payload,
     hf_targets,
+    join_master,
     make_projection,
     merge_low_rank_,
+    split_master,
 )
 from logra_rl.logra.merge import low_rank_change, rademacher_signs, row_chunks
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
@@ -69,6 +71,86 @@ def test_fifty_payloads_keep_bf16_copy_equal_to_rounded_master():
         (plain.weights[n].float() - m).norm() ** 2 / (m - initial[n]).norm() ** 2 for n, m in trainer.master().items()
     )
     assert float(lost) / len(initial) > 0.1
+
+
+def bits(x):
+    return x.float().view(torch.int32)
+
+
+def ties_rounded_to_even_toward_zero(master):
+    """Masters exactly halfway between two bf16 values whose even neighbour is the one nearer zero."""
+    pattern = bits(master)
+    return ((pattern & 0xFFFF) == 0x8000) & (((pattern >> 16) & 1) == 0)
+
+
+def edge_values():
+    """Binade edges, zeros, subnormals, exact ties of either parity, huge and tiny, of both signs."""
+    one_ulp_fp32 = torch.tensor([0x3F7FFFFF, 0x3F800000, 0x3F800001, 0x3FFFFFFF, 0x40000000], dtype=torch.int32)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x00008000, 0x00018000, 0x7F7E8000, 0x7F7F8000], dtype=torch.int32)
+    subnormals = [0x00000001, 0x00007FFF, 0x0000FFFF, 0x00010000, 0x007FFFFF, 0x00800000]
+    subnormals = torch.tensor(subnormals, dtype=torch.int32)
+    positive = torch.cat([one_ulp_fp32, ties, subnormals]).view(torch.float32)
+    special = torch.tensor([0.0, 1e-30, 3e38, 1e-3, 0.1, 1 / 3])
+    values = torch.cat([positive, special, torch.randn(4096, generator=torch.Generator().manual_seed(0))])
+    return torch.cat([values, -values])
+
+
+def test_tail_reconstructs_every_master_bit_for_bit():
+    master = edge_values()
+    weight, tail = split_master(master)
+    assert weight.dtype == torch.bfloat16 and tail.dtype == torch.int16
+    assert torch.equal(bits(join_master(weight, tail)), bits(master))  # -0.0 and subnormals included
+    ties = ties_rounded_to_even_toward_zero(master)
+    assert int(ties.sum()) == 6  # 0x3F808000, 0x00008000, 0x7F7E8000, each signed
+    assert torch.equal(bits(weight)[~ties], bits(master.to(torch.bfloat16))[~ties])
+    # at a tie: the other nearest neighbour, one bf16 step further from zero, and the tail at -2^15
+    assert torch.equal(bits(weight)[ties], bits(master.to(torch.bfloat16))[ties] + 0x10000)
+    assert bool((tail[ties] == -(2**15)).all())
+    assert torch.equal((weight.float() - master).abs()[ties], (master.to(torch.bfloat16).float() - master).abs()[ties])
+
+
+def test_tail_merges_across_binade_edges_zeros_and_subnormals_track_the_fp32_master():
+    """The trainer's fp32 merge and a bf16 + tail copy, fed steps that cross powers of two and zero."""
+    values = edge_values()
+    half = len(values) // 2  # the second half is the first negated
+    master = torch.cat([values[:32], values[half : half + 32]]).reshape(8, 8).clone()
+    weight, tail = split_master(master)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(40):
+        scale = 10.0 ** -(step % 8)  # from moves of whole binades down to sub-ulp nudges
+        factor = (torch.randn(8, 2, generator=generator) * scale).to(torch.bfloat16).float()
+        projection = torch.randn(2, 8, generator=generator)
+        merge_low_rank_(master, factor, projection, chunk_rows=3)
+        merge_low_rank_(weight, factor, projection, tail, chunk_rows=3)
+        assert torch.equal(bits(join_master(weight, tail)), bits(master)), step
+        assert torch.equal(weight, split_master(master)[0]), step
+
+
+def test_two_hundred_payloads_keep_bf16_plus_tail_equal_to_the_master():
+    trainer = Trainer()
+    tail = rollout_copy(trainer.master(), "tail")
+    exact = rollout_copy(trainer.master(), "float32")
+    tie_count = 0
+    for _ in range(200):
+        payload = trainer.step()
+        tail.apply(payload)
+        exact.apply(payload)
+    for name, master in trainer.master().items():
+        target = tail.targets[name]
+        assert torch.equal(bits(join_master(target.weight, target.residual)), bits(master)), name
+        ties = ties_rounded_to_even_toward_zero(master)
+        tie_count += int(ties.sum())
+        differs = target.weight != master.to(torch.bfloat16)
+        assert torch.equal(differs, ties), name  # bf16(master) everywhere but at exact ties
+        assert torch.equal(exact.weights[name], master.to(torch.bfloat16)), name
+    assert tail.version == trainer.opt.update_count == 200
+    print(f"exact ties after 200 updates: {tie_count}")
+
+
+def test_a_tail_residual_needs_bf16_weights():
+    assert hf_targets({"w": torch.zeros(2, 2)}, "tail")["w"].residual is None  # fp32: its own master
+    with pytest.raises(ValueError, match="residual=tail is exact for bfloat16 weights"):
+        hf_targets({"w": torch.zeros(2, 2, dtype=torch.float16)}, "tail")
 
 
 def test_apply_payload_to_an_fp32_copy_tracks_master_exactly():
