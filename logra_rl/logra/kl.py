@@ -15,6 +15,11 @@ outputs are low precision, both measure at a step large enough to be resolved (t
 output change `LOW_PRECISION_RESOLUTION`) and scale back quadratically: KL(s·h)/s², exact to the
 quadratic model the controller uses anyway. In fp32 nothing changes.
 
+Every probe takes `forward(input_ids)` and an optional `head`: with a head, `forward` returns the
+final hidden states and the probe applies `head` (the LM head) to POSITION_CHUNK positions at a time,
+so no (tokens × vocab) logits (nor their tangent) exist beyond one chunk; without one, `forward`
+returns the logits.
+
 The controller turns q into a step scale α = min(α_max, √(δ_eff/q)) against a scheduled
 budget δ, reduced by the measured rollout-vs-trainer mismatch.
 """
@@ -36,6 +41,7 @@ from logra_rl.logra.config import KLConfig
 # (linear module, projection A (rank × k_in), factor U (d_out × rank)): the step W ← W − U·A.
 LowRankStep = Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]]
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+HeadFn = Callable[[torch.Tensor], torch.Tensor]  # hidden states (..., H) -> logits (..., V)
 POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
 # Relative change of a layer's output that a bf16 forward resolves well (8 ulps of bf16's 2^-8).
 LOW_PRECISION_RESOLUTION = 2**-5
@@ -150,6 +156,12 @@ def _target_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask[:, 1:].bool()
 
 
+def _chunk_logits(features: torch.Tensor, chunk: slice, head: HeadFn | None) -> torch.Tensor:
+    """The logits predicting tokens of `chunk` (positions 0..T−2), from logits or through `head`."""
+    part = features[:, :-1][:, chunk]
+    return part if head is None else head(part)
+
+
 def _masked_sum(
     per_position: Callable[[slice], torch.Tensor], positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,22 +176,30 @@ def _masked_sum(
 
 
 def jvp_kl(
-    forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, step: LowRankStep, temperature: float
+    forward: LogitsFn,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step: LowRankStep,
+    temperature: float,
+    head: HeadFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ predicted KL, number of positions) over generated-token predictions, via forward-mode AD.
 
     SDPA runs on its math backend: the fused CPU/GPU attention kernels have no forward-AD rule.
     """
     with torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), _tangent(step):
-        logits = forward(input_ids)
-        primal, tangent = fwAD.unpack_dual(logits)
-        if tangent is None:
+        features = forward(input_ids)
+        if fwAD.unpack_dual(features).tangent is None:
             raise ProbeError(
                 "the JVP was lost between the targeted layers and the logits; does `forward` detach "
                 "activations or run the targets under a different module instance?"
             )
-        positions = _target_positions(loss_mask)
-        return _masked_sum(lambda c: predicted_kl(primal[:, :-1][:, c], tangent[:, :-1][:, c], temperature), positions)
+
+        def chunk_kl(chunk: slice) -> torch.Tensor:
+            primal, tangent = fwAD.unpack_dual(_chunk_logits(features, chunk, head))
+            return predicted_kl(primal, tangent, temperature)
+
+        return _masked_sum(chunk_kl, _target_positions(loss_mask))
 
 
 def step_kl(
@@ -189,25 +209,29 @@ def step_kl(
     step: LowRankStep,
     temperature: float,
     scale: float,
-    base_logits: torch.Tensor | None = None,
+    base_features: torch.Tensor | None = None,
+    head: HeadFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model.
 
     Under low-precision compute the step is measured at scale·s with s = `resolvable_scale` and the KL
-    divided by s² (see the module docstring); `base_logits` skips the base forward (fp32 callers).
+    divided by s² (see the module docstring); `base_features` (what `forward` returned without the step)
+    skips the base forward (fp32 callers).
     """
     enlarge = 1.0
     with torch.no_grad():
-        if base_logits is None:
+        if base_features is None:
             with _measured(step) as record:
-                base_logits = forward(input_ids)
+                base_features = forward(input_ids)
             enlarge = resolvable_scale(record, scale)
         with _shifted(step, scale * enlarge):
             stepped = forward(input_ids)
-    positions = _target_positions(loss_mask)
-    total, count = _masked_sum(
-        lambda c: exact_kl(base_logits[:, :-1][:, c], stepped[:, :-1][:, c], temperature), positions
-    )
+
+        def chunk_kl(chunk: slice) -> torch.Tensor:
+            base, shifted = _chunk_logits(base_features, chunk, head), _chunk_logits(stepped, chunk, head)
+            return exact_kl(base, shifted, temperature)
+
+        total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
     return total / enlarge**2, count
 
 
@@ -218,17 +242,18 @@ def finite_difference_kl(
     step: LowRankStep,
     temperature: float,
     fd_step: float,
+    head: HeadFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ q, positions) with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term.
 
     Under low-precision compute h is enlarged until the step is resolved (`resolvable_scale`).
     """
     with torch.no_grad(), _measured(step) as record:
-        base_logits = forward(input_ids)
+        base_features = forward(input_ids)
     h = fd_step * resolvable_scale(record, fd_step)
-    total = torch.zeros((), dtype=torch.float64, device=base_logits.device)
+    total = torch.zeros((), dtype=torch.float64, device=base_features.device)
     for scale in (h, -h):
-        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base_logits)
+        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base_features, head)
         total += kl_sum
     return total / (2 * h**2), count
 

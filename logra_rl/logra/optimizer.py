@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from logra_rl.logra.config import LoGRAConfig
 from logra_rl.logra.kl import (
+    HeadFn,
     KLController,
     LogitsFn,
     LowRankStep,
@@ -240,24 +241,37 @@ class LoGRAOptimizer:
     # ---- KL ---------------------------------------------------------------------------------
 
     def probe_kl(
-        self, forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float
+        self,
+        forward: LogitsFn,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+        head: HeadFn | None = None,
     ) -> float:
         """q: predicted KL per generated token of the prepared update at α = 1 (KL(α) ≈ q·α²).
 
-        `forward(input_ids) -> logits` must run the model as the policy (eval mode, no dropout).
+        `forward(input_ids) -> logits` must run the model as the policy (eval mode, no dropout); with
+        `head`, `forward` returns the final hidden states and the LM head runs in chunks of positions.
         The first `kl.probe_responses` rows, truncated to `kl.probe_max_tokens`, are probed; the
         estimator is `kl.estimator`. Under data parallelism every rank probes the same row count.
         """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
         kl = self.config.kl
         if kl.estimator == "jvp":
-            total, count = jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature)
+            total, count = jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature, head)
         else:
-            total, count = finite_difference_kl(forward, input_ids, loss_mask, self.proposal(), temperature, kl.fd_step)
+            step = self.proposal()
+            total, count = finite_difference_kl(forward, input_ids, loss_mask, step, temperature, kl.fd_step, head)
         return self._reduced_mean(total, count)
 
     def realized_kl(
-        self, forward: LogitsFn, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float, alpha: float
+        self,
+        forward: LogitsFn,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+        alpha: float,
+        head: HeadFn | None = None,
     ) -> float:
         """The exact KL per generated token that commit(alpha) will cause, wire rounding included, on the probe rows.
 
@@ -266,7 +280,7 @@ class LoGRAOptimizer:
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
         wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
         step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]
-        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale=1.0)
+        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale=1.0, head=head)
         return self._reduced_mean(total, count)
 
     def _probe_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,11 +33,13 @@ UPDATE_STATE = "update_state.pt"  # the rule's own state (and the policy version
 
 @dataclass(frozen=True)
 class KLProbe:
-    """The rows LoGRA measures a proposal on: `forward(input_ids) -> logits` runs the policy."""
+    """The rows LoGRA measures a proposal on: `forward(input_ids)` runs the policy to its logits, or to
+    its final hidden states when `head` (the LM head, applied by the probe in chunks of positions) is set."""
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,10 @@ class LoGRAUpdate:
         start = time.perf_counter()
         self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            q = opt.probe_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature)
+            q = opt.probe_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, probe.head)
             budget = opt.kl_controller.step_budget(opt.update_count, inputs.mismatch_sum, inputs.mismatch_tokens)
             alpha = opt.kl_controller.alpha(q, budget)
-            realized = opt.realized_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, alpha)
+            realized = opt.realized_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, alpha, probe.head)
         except (FloatingPointError, ProbeError) as error:
             opt.discard()
             return {"actor/skipped": 1.0}, NoChange(str(error))

@@ -201,10 +201,7 @@ class TrainWorker:
             return FullResync()
         return NoChange("; ".join(o.reason for o in outcomes))
 
-    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)
         told to apply the LM head to the last position only: `_sampled_logprobs` applies it in chunks."""
         captured = []
@@ -295,12 +292,14 @@ class TrainWorker:
         return dict(zip(SUMS, reduced.tolist(), strict=True))
 
     def _probe(self, batch: TrainBatch) -> KLProbe:
-        """LoGRA's KL probe rows: the first responses of this rank's shard."""
+        """LoGRA's KL probe rows: the first responses of this rank's shard, probed through the decoder's
+        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
         probe = batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
         return KLProbe(
-            forward=lambda ids: self._logits(ids),
+            forward=lambda ids: self._hidden_states(ids),
             input_ids=probe.input_ids.to(self.device),
             loss_mask=probe.loss_mask.to(self.device),
+            head=self._head,
         )
 
     def _memory_metrics(self) -> dict[str, float]:

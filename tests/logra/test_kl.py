@@ -15,6 +15,7 @@ from logra_rl.logra import (
     scheduled_budget,
     step_scale,
 )
+from logra_rl.logra.kl import POSITION_CHUNK
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 TEMPERATURE = 0.7
@@ -83,6 +84,31 @@ def test_probe_uses_first_rows_truncated_and_leaves_weights_untouched():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(RuntimeError, match="no generated tokens"):
         opt.probe_kl(logits_fn(model), batch, torch.zeros_like(loss_mask), TEMPERATURE)
+
+
+@pytest.mark.parametrize("estimator", ["jvp", "finite_difference"])
+def test_probes_through_the_lm_head_in_chunks_equal_the_full_logits(estimator):
+    """forward → hidden states, head → logits of at most POSITION_CHUNK positions at a time: the predicted
+    and the realised KL equal the full-logits probes' within fp32 rounding."""
+    config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator=estimator, fd_step=3.0, probe_responses=3))
+    model, opt, batch, loss_mask = prepared_optimizer(config)
+    batch, loss_mask = batch.repeat(1, 4), loss_mask.repeat(1, 4)  # 96 positions: two chunks
+    widths = []
+
+    def head(hidden):
+        widths.append(hidden.shape[1])
+        return model.lm_head(hidden)
+
+    def hidden_states(input_ids):
+        return model.model(input_ids=input_ids).last_hidden_state
+
+    q_full = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    q_chunked = opt.probe_kl(hidden_states, batch, loss_mask, TEMPERATURE, head)
+    assert q_chunked == pytest.approx(q_full, rel=1e-5) and q_full > 0
+    realised_full = opt.realized_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, 0.5)
+    realised_chunked = opt.realized_kl(hidden_states, batch, loss_mask, TEMPERATURE, 0.5, head)
+    assert realised_chunked == pytest.approx(realised_full, rel=1e-5) and realised_full > 0
+    assert max(widths) <= POSITION_CHUNK and len(widths) >= 2 * 2  # never the whole 95 positions at once
 
 
 def test_lost_jvp_is_an_error():

@@ -10,6 +10,7 @@ from logra_rl.config import RunConfig
 from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
+from logra_rl.rollout.resync import bucket_tensors
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import aggregate_epochs
 from tests.orchestration.test_controller import run_config
@@ -57,7 +58,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     assert len(buckets) >= 4
     layers = [{k.split(".layers.")[1].split(".")[0] for k in b.keys if ".layers." in k} for b in buckets]
     assert all(len(numbers) <= 1 for numbers in layers) and len(set().union(*layers)) == 2
-    joined = {k: torch.from_numpy(v) for part in parts for k, v in part.items()}  # numpy: zero-copy in Ray
+    joined = bucket_tensors({k: v for part in parts for k, v in part.items()})  # numpy arrays, zero-copy in Ray
     assert sum(len(part) for part in parts) == len(joined) == len(state) - 1  # tied lm_head goes once, as embed
     assert "lm_head.weight" not in joined
     assert all(torch.equal(joined[name], value) for name, value in state.items() if name != "lm_head.weight")
