@@ -34,29 +34,40 @@ class PayloadRefused(ValueError):
     """The payload cannot be applied to these weights; nothing was written."""
 
 
+def _value_order(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns (int32) as integers in the order of the values (−0 just below +0): negative
+    patterns get their magnitude bits flipped. It is its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp32 master as (bf16 weight, int16 tail) with `join_master(weight, tail)` equal to it bit for bit.
 
-    Same-signed floats are ordered like their bit patterns, across binade edges, zeros and subnormals
-    alike, and bf16 values are the patterns whose low 16 bits are 0; so the master's pattern minus its
-    nearest bf16's lies in [−2^15, 2^15]. At an exact tie round-to-nearest-even may give +2^15, which int16
-    cannot hold: there the weight is the other, equally near neighbour (one bf16 step further from zero)
-    and the tail −2^15. Everywhere else the weight is bf16(master).
+    In value order (`_value_order`) floats are consecutive integers, across binade edges, zeros and
+    subnormals alike, and bf16 values are every 2^16th; so the master's position minus its nearest bf16's
+    lies in [−2^15, 2^15]. At an exact tie round-to-nearest-even may land on the lower neighbour, giving
+    +2^15, which int16 cannot hold: there the weight is the other, equally near neighbour (the one toward
+    +∞) and the tail −2^15. Everywhere else the weight is bf16(master). Served toward +∞ whatever their
+    sign, the tie errors are not aligned with the weights (rounding ties away from zero would scale every
+    affected weight up), which matters where ties are common: a float16 checkpoint's values are ties of
+    bf16 one time in eight.
     """
-    bits = master.float().view(torch.int32)
+    key = _value_order(master.float().view(torch.int32))
     weight = master.to(torch.bfloat16)
-    tail = bits - weight.float().view(torch.int32)
+    weight_key = _value_order(weight.float().view(torch.int32))
+    tail = key - weight_key
     tie = tail == TIE
     if bool(tie.any()):
-        weight_bits = weight.view(torch.int16)  # +1 is one step further from zero for either sign
-        weight = torch.where(tie, weight_bits + 1, weight_bits).view(torch.bfloat16)
+        up = _value_order(weight_key + BF16_STEP).view(torch.float32).to(torch.bfloat16)  # exact: a bf16 value
+        weight = torch.where(tie, up, weight)
         tail = torch.where(tie, tail - BF16_STEP, tail)
     return weight, tail.to(torch.int16)
 
 
 def join_master(weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """The fp32 master that `split_master` turned into (weight, tail)."""
-    return (weight.float().view(torch.int32) + tail.to(torch.int32)).view(torch.float32)
+    key = _value_order(weight.float().view(torch.int32)) + tail.to(torch.int32)
+    return _value_order(key).view(torch.float32)
 
 
 def residual_torch_dtype(residual_dtype: str) -> torch.dtype | None:

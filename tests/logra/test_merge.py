@@ -77,10 +77,10 @@ def bits(x):
     return x.float().view(torch.int32)
 
 
-def ties_rounded_to_even_toward_zero(master):
-    """Masters exactly halfway between two bf16 values whose even neighbour is the one nearer zero."""
+def ties_rounded_to_even_below(master):
+    """Masters exactly halfway between two bf16 values whose even neighbour is the lower one (toward −∞)."""
     pattern = bits(master)
-    return ((pattern & 0xFFFF) == 0x8000) & (((pattern >> 16) & 1) == 0)
+    return ((pattern & 0xFFFF) == 0x8000) & (((pattern >> 16) & 1) == (pattern < 0).int())
 
 
 def edge_values():
@@ -100,13 +100,15 @@ def test_tail_reconstructs_every_master_bit_for_bit():
     weight, tail = split_master(master)
     assert weight.dtype == torch.bfloat16 and tail.dtype == torch.int16
     assert torch.equal(bits(join_master(weight, tail)), bits(master))  # -0.0 and subnormals included
-    ties = ties_rounded_to_even_toward_zero(master)
-    assert int(ties.sum()) == 6  # 0x3F808000, 0x00008000, 0x7F7E8000, each signed
-    assert torch.equal(bits(weight)[~ties], bits(master.to(torch.bfloat16))[~ties])
-    # at a tie: the other nearest neighbour, one bf16 step further from zero, and the tail at -2^15
-    assert torch.equal(bits(weight)[ties], bits(master.to(torch.bfloat16))[ties] + 0x10000)
+    ties = ties_rounded_to_even_below(master)
+    assert int(ties.sum()) == 6  # +0x3F808000, +0x00008000, +0x7F7E8000 and -0x3F818000, -0x00018000, -0x7F7F8000
+    rounded = master.to(torch.bfloat16)
+    assert torch.equal(bits(weight)[~ties], bits(rounded)[~ties])
+    # at a tie: the other nearest neighbour, the one toward +inf, and the tail at -2^15
+    assert bool((weight[ties].float() > rounded[ties].float()).all())
     assert bool((tail[ties] == -(2**15)).all())
-    assert torch.equal((weight.float() - master).abs()[ties], (master.to(torch.bfloat16).float() - master).abs()[ties])
+    near = ties & rounded.isfinite()  # -0x7F7F8000: round-to-nearest-even overflows to -inf, the tail does not
+    assert torch.equal((weight.float() - master).abs()[near], (rounded.float() - master).abs()[near])
 
 
 def test_tail_merges_across_binade_edges_zeros_and_subnormals_track_the_fp32_master():
@@ -138,7 +140,7 @@ def test_two_hundred_payloads_keep_bf16_plus_tail_equal_to_the_master():
     for name, master in trainer.master().items():
         target = tail.targets[name]
         assert torch.equal(bits(join_master(target.weight, target.residual)), bits(master)), name
-        ties = ties_rounded_to_even_toward_zero(master)
+        ties = ties_rounded_to_even_below(master)
         tie_count += int(ties.sum())
         differs = target.weight != master.to(torch.bfloat16)
         assert torch.equal(differs, ties), name  # bf16(master) everywhere but at exact ties
