@@ -1,5 +1,5 @@
 """Console scripts: `logra-train` (the Controller), `logra-eval` (the eval driver: pass@k of a model or
-checkpoint), `logra-plot`."""
+checkpoint), `logra-plan` (the memory plan of a run, nothing started), `logra-plot`."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def check_overrides(arguments: list[str]) -> str | None:
             if value not in _options(key):
                 return f"unknown {key} {value!r}; choose one of {_options(key)}"
             continue
-        if key.startswith("hydra."):
+        if key.startswith(("hydra.", "hydra/")):
             continue
         node, path = RunConfig(), []
         for part in key.split("."):
@@ -177,8 +177,46 @@ def _eval(cfg: DictConfig) -> None:
     print(f"[logra-eval] graded samples: {run_dir / 'eval'}/  metrics: {run_dir / 'eval_metrics.json'}")
 
 
+def _plan(cfg: DictConfig) -> None:
+    """Print the memory plan of a run (as `logra-train` would start it) without starting anything; exit 1 when
+    it does not fit. Plan a GPU node from any machine with cluster.device=cuda cluster.gpu_memory_gib=80."""
+    import tempfile
+
+    from rich.console import Console
+
+    from logra_rl.config import RunConfig
+    from logra_rl.data import load_workload
+    from logra_rl.models.loading import planning_model_path
+    from logra_rl.orchestration.memory_plan import RUN_ANYWAY, machine_of, memory_problem, plan_memory, plan_table
+
+    unread = None
+    try:
+        config = RunConfig.from_mapping(cfg)
+        with tempfile.TemporaryDirectory() as scratch:
+            model_path = planning_model_path(config, Path(scratch))
+            try:
+                prompt_tokens = load_workload(config.data, model_path).longest_prompt
+            except Exception as error:  # a config-only model directory, or data this machine cannot read
+                prompt_tokens, unread = None, f"{type(error).__name__}: {str(error)[:120]}"
+            machine = machine_of(config)
+            plan = plan_memory(config, model_path, machine, prompt_tokens)
+            problem = memory_problem(plan, config, model_path, machine, prompt_tokens)
+    except Exception as error:
+        _exit_with_one_line(error, "logra-plan")
+    console = Console(highlight=False)
+    console.print(plan_table(plan, machine))
+    if unread:
+        length = config.data.max_prompt_length
+        console.print(f"- prompts sized at data.max_prompt_length={length}: the data was not read ({unread})")
+    for note in plan.notes:
+        console.print(f"- {note}")
+    if problem:
+        sys.exit(f"logra-plan: {problem}. logra-train stops there ({RUN_ANYWAY})")
+
+
 train = hydra.main(config_path="configs", config_name="config", version_base=None)(_train)
 evaluate = hydra.main(config_path="configs", config_name="config", version_base=None)(_eval)
+plan_run = hydra.main(config_path="configs", config_name="config", version_base=None)(_plan)
 
 
 def _entry(app, name: str) -> None:
@@ -208,6 +246,12 @@ def main() -> None:
 
 def eval_main() -> None:
     _entry(evaluate, "logra-eval")
+
+
+def plan_main() -> None:
+    position = _override_position(sys.argv)  # a plan writes nothing: no run directory, no log file
+    sys.argv[position:position] = ["hydra.run.dir=.", "hydra/job_logging=none"]
+    _entry(plan_run, "logra-plan")
 
 
 def plot() -> None:

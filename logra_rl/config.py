@@ -12,7 +12,15 @@ from typing import Any
 from logra_rl.data import DataConfig
 from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
 from logra_rl.logra.merge import RESIDUAL_DTYPES
-from logra_rl.utils.structs import check, check_choice, check_fraction, check_positive, check_positive_int, from_mapping
+from logra_rl.utils.structs import (
+    check,
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_positive,
+    check_positive_int,
+    from_mapping,
+)
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -172,15 +180,28 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """How the GPUs are split: `train_workers` FSDP2 ranks (one GPU each) + the rollout engines' GPUs."""
+    """How the GPUs are split: `train_workers` FSDP2 ranks (one GPU each) + the rollout engines' GPUs.
+
+    The memory plan (`orchestration.memory_plan`) checks the run against the host's available memory and each
+    GPU's total before anything starts; `host_memory_gib` / `gpu_memory_gib` replace what this machine reports
+    (to plan another node), `memory_check: false` runs even when the plan says it does not fit."""
 
     train_workers: int = 2
     device: str = "auto"  # auto: cuda when available, else cpu (gloo, logical GPUs)
     cpus_per_worker: float = 1.0
+    memory_check: bool = True
+    host_memory_gib: float | None = None
+    gpu_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("cluster.train_workers", self.train_workers)
         check_choice("cluster.device", self.device, DEVICES)
+        check_bool("cluster.memory_check", self.memory_check)
+        for key in ("host_memory_gib", "gpu_memory_gib"):
+            value = getattr(self, key)
+            check(
+                value is None or (isinstance(value, int | float) and value > 0), f"cluster.{key}", value, "give GiB > 0"
+            )
 
 
 @dataclass(frozen=True)

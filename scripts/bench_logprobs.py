@@ -22,12 +22,13 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from shapes import QWEN25_1P5B
 
 from logra_rl.logra import jvp_kl
 from logra_rl.rl import head_logprobs, token_logprobs
@@ -39,22 +40,13 @@ CHILD_PREFIX = "BENCH_CHILD "
 ROWS = 4
 
 
-def model_of(layers: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    )
+def model_of(layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).float().eval()
+    shape = replace(QWEN25_1P5B, layers=layers)
+    return shape.model_class()(shape.hf_config()).float().eval()
 
 
-def low_rank_step(model: Qwen2ForCausalLM, rank: int = 64) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]:
+def low_rank_step(model: torch.nn.Module, rank: int = 64) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]:
     leaves = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     step = []
     for name, module in model.named_modules():
@@ -85,7 +77,9 @@ def run_variant(variant: str, tokens: int, layers: int) -> dict:
         token_logprobs(model(input_ids=ids).logits, ids, 1.0).sum().backward()
     elif variant == "train_chunked":
         hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-        values = head_logprobs(hidden.reshape(-1, hidden.shape[-1]), model.lm_head, ids[:, 1:].reshape(-1), 1.0)
+        values = head_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), model.lm_head, ids[:, 1:].reshape(-1), 1.0, model.config.vocab_size
+        )
         values.sum().backward()
     else:
         mask = torch.ones_like(ids)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import transformers
 from rich.console import Console
 from rich.table import Table
+from shapes import GEMMA3_27B, QUICK_TRAIN_SHAPE, QWEN25_1P5B, QWEN25_7B, TRAIN_SHAPE, Shape
 from torch import nn
 
 from logra_rl.logra import (
@@ -64,56 +65,9 @@ MIB = 2**20
 console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
 
-# ---- model shapes --------------------------------------------------------------------------
+# ---- model shapes (scripts/shapes.py) ---------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A decoder-only model shape; `family` picks the transformers class."""
-
-    name: str
-    family: str  # qwen3 | qwen2 | gemma3
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    def hf_config(self) -> transformers.PretrainedConfig:
-        common = dict(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            tie_word_embeddings=self.tied,
-        )
-        if self.family == "qwen2":  # Qwen2 derives head_dim = hidden / heads (128 for both shapes used)
-            assert self.hidden // self.heads == self.head_dim, self
-            return transformers.Qwen2Config(**common)
-        if self.family == "gemma3":
-            return transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
-        return transformers.Qwen3Config(head_dim=self.head_dim, attention_dropout=0.0, **common)
-
-    def model_class(self) -> type[nn.Module]:
-        classes = {
-            "qwen3": transformers.Qwen3ForCausalLM,
-            "qwen2": transformers.Qwen2ForCausalLM,
-            "gemma3": transformers.Gemma3ForCausalLM,
-        }
-        return classes[self.family]
-
-
-# The training-step model: ~0.37B parameters, hidden 1024, Qwen3 layout, untied embeddings.
-TRAIN_SHAPE = Shape("qwen3-0.37B", "qwen3", 1024, 3072, 24, 16, 8, 64, 32768, False)
-QUICK_TRAIN_SHAPE = Shape("qwen3-21M", "qwen3", 512, 1536, 4, 8, 4, 64, 8192, False)
-QWEN25_1P5B = Shape("Qwen2.5-1.5B", "qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True)
-QWEN25_7B = Shape("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 128, 151936, False)
-GEMMA3_27B = Shape("Gemma-3-27B (text)", "gemma3", 5376, 21504, 62, 32, 16, 128, 262208, True)
 PAYLOAD_SHAPES = (QWEN25_1P5B, QWEN25_7B, GEMMA3_27B)
 
 

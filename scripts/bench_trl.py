@@ -26,14 +26,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import torch
 import transformers
 from hydra import compose, initialize_config_module
+from process_memory import run_measured
 from rich.console import Console
 from rich.table import Table
 
@@ -41,7 +39,6 @@ from logra_rl.config import RunConfig
 from logra_rl.data import load_task
 from logra_rl.models.loading import resolve_model_path
 
-GIB = 2**30
 TRL_VERSION = "1.16.0"
 TRL_VENV = Path.home() / ".cache" / "logra_rl" / "bench" / f"trl-{TRL_VERSION}"
 JOB = [
@@ -67,69 +64,6 @@ TASKS = {
 }
 OPTIMIZERS = {"dense": ["optimizer=dense", "optimizer.lr=1e-5"], "logra": [], "lora": ["optimizer=lora"]}
 LOGRA_PHASES = ("rollout", "reward", "train", "forward", "backward", "update", "probe", "sync", "step")
-
-
-def used_bytes() -> int:
-    memory = psutil.virtual_memory()  # MemTotal - MemAvailable on Linux
-    return memory.total - memory.available
-
-
-def process_label(process: psutil.Process) -> str:
-    """A name for one process of the run: Ray titles its actors `ray::Class.method`."""
-    command = " ".join(process.cmdline()) or process.name()
-    if command.startswith("ray::"):
-        return command.split()[0].split(".")[0]
-    words = command.split()
-    if "multiprocessing" in command:
-        return "python (grading process)"
-    script = next((Path(w).name for w in words[1:] if w.endswith(".py") or w.startswith("logra_rl")), "")
-    return f"{Path(words[0]).name} {script}".strip()
-
-
-def anonymous_bytes(pid: int) -> int:
-    """Private memory of a process (RssAnon): what it adds to the machine's used memory."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def run_measured(command: list[str], log: Path) -> tuple[float, float, dict[str, float]]:
-    """Run `command` to completion; (wall seconds, peak used memory above the idle level in GiB,
-    each of its processes' peak private memory in GiB, summed over processes of one label)."""
-    done = threading.Event()
-    idle = []
-    for _ in range(10):
-        idle.append(used_bytes())
-        done.wait(0.2)
-    idle_bytes = statistics.median(idle)
-    peak = [idle_bytes]
-    process_peaks: dict[int, tuple[str, int]] = {}
-
-    def sample(root: psutil.Process) -> None:
-        while not done.wait(0.2):
-            peak[0] = max(peak[0], used_bytes())
-            for process in [root, *root.children(recursive=True)]:
-                try:
-                    before = process_peaks.get(process.pid, ("", 0))[1]  # Ray retitles its workers: label anew
-                    process_peaks[process.pid] = (process_label(process), max(before, anonymous_bytes(process.pid)))
-                except (psutil.Error, OSError):
-                    continue
-
-    start = time.time()
-    with log.open("w") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        sampler = threading.Thread(target=sample, args=(psutil.Process(child.pid),), daemon=True)
-        sampler.start()
-        code = child.wait()
-    done.set()
-    sampler.join()
-    if code != 0:
-        raise SystemExit(f"{' '.join(command[:3])} ... failed ({code}); its output: {log}")
-    by_label: dict[str, float] = {}
-    for label, bytes_ in process_peaks.values():
-        by_label[label] = by_label.get(label, 0.0) + bytes_ / GIB
-    return time.time() - start, (peak[0] - idle_bytes) / GIB, dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
 
 
 def trl_python() -> Path:
@@ -159,7 +93,7 @@ def run_trl(lora: bool, model: Path, prompts: Path, work: Path, steps: int) -> d
     out = work / f"trl_{'lora' if lora else 'dense'}.json"
     command = [str(trl_python()), str(Path(__file__).with_name("trl_grpo_job.py")), "--model", str(model)]
     command += ["--prompts", str(prompts), "--out", str(out), "--steps", str(steps)] + (["--lora"] if lora else [])
-    wall, memory, processes = run_measured(command, out.with_suffix(".log"))
+    measured = run_measured(command, out.with_suffix(".log"))
     job = json.loads(out.read_text())
     steps_s, generation = job["step_s"][1:], job["generation_s"][1:]
     return {
@@ -167,9 +101,9 @@ def run_trl(lora: bool, model: Path, prompts: Path, work: Path, steps: int) -> d
         "generation_s": statistics.median(generation),
         "train_s": statistics.median(s - g for s, g in zip(steps_s, generation, strict=True)),
         "startup_s": job["startup_s"],
-        "memory_gib": memory,
-        "process_peaks_gib": processes,
-        "wall_s": wall,
+        "memory_gib": measured.above_idle_gib,
+        "process_peaks_gib": measured.peaks_by_label(),
+        "wall_s": measured.wall_s,
         "reward_mean": job["reward_mean"],
         "gradient_checkpointing": job["gradient_checkpointing"],
     }
@@ -179,7 +113,7 @@ def run_logra(optimizer: str, job: list[str], work: Path) -> dict:
     run_dir = work / f"logra_{optimizer}"
     command = [str(Path(sys.executable).with_name("logra-train")), *job, *OPTIMIZERS[optimizer]]
     command += [f"trainer.output_dir={run_dir}"]
-    wall, memory, processes = run_measured(command, work / f"logra_{optimizer}.log")
+    measured = run_measured(command, work / f"logra_{optimizer}.log")
     records = [json.loads(line) for line in next(run_dir.rglob("metrics.jsonl")).read_text().splitlines()]
     later = records[1:]
 
@@ -194,9 +128,9 @@ def run_logra(optimizer: str, job: list[str], work: Path) -> dict:
         "train_s": statistics.median(r["timing_s/step"] - r["timing_s/rollout"] - r["timing_s/reward"] for r in later),
         "startup_s": records[0]["timing_s/startup"],
         "startup_parts_s": {k: v for k, v in records[0].items() if k.startswith("timing_s/startup_")},
-        "memory_gib": memory,
-        "process_peaks_gib": processes,
-        "wall_s": wall,
+        "memory_gib": measured.above_idle_gib,
+        "process_peaks_gib": measured.peaks_by_label(),
+        "wall_s": measured.wall_s,
         "reward_mean": statistics.fmean(r["reward/mean"] for r in records),
         "skipped_updates": sum(r.get("actor/skipped", 0.0) for r in records),
         "phases_s": phases,

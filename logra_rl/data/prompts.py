@@ -28,6 +28,11 @@ class Workload:
     eval: list[Prompt]
 
     @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest train or eval prompt (what generation buffers are sized for)."""
+        return max(len(prompt.token_ids) for prompt in (*self.train, *self.eval))
+
+    @property
     def pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id

@@ -27,6 +27,14 @@ def resolve_model_path(config: RunConfig, run_dir: Path) -> str:
     return model.path
 
 
+def planning_model_path(config: RunConfig, scratch: Path) -> str:
+    """A directory with the run's model config, for a memory plan: the quickstart's model built untrained
+    into `scratch` (its shape is what matters), any other as `resolve_model_path` finds it."""
+    if config.model.builder == "quickstart":
+        return str(build_quickstart_model(Path(scratch) / "base_model", seed=config.trainer.seed, format_steps=0))
+    return resolve_model_path(config, scratch)
+
+
 def target_shapes(model_path: str, config: LoGRAConfig) -> dict[str, tuple[int, int]]:
     """HF names and (d_out, k_in) of the LoGRA targets, read from the model config without loading weights;
     raises on no match or a rank above a target's size, so the run stops before anything starts."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,14 @@ import numpy as np
 import psutil
 import ray
 import torch
+from rich.console import Console
 
 from logra_rl.config import RunConfig
 from logra_rl.data import PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import start_ray
+from logra_rl.orchestration.memory_plan import GIB, check_memory
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
@@ -68,17 +71,21 @@ class Controller:
         with timer("startup_model"):
             model_path = resolve_model_path(config, self.run_dir)
             targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
-        with timer("startup_ray"):
-            if start_ray(config):
-                stack.callback(ray.shutdown)
+        with ThreadPoolExecutor(1) as pool:  # the prompts are read and tokenised while Ray starts
+            loading = pool.submit(load_workload, config.data, model_path)
+            with timer("startup_ray"):
+                if start_ray(config):
+                    stack.callback(ray.shutdown)
+            with timer("startup_data"):
+                self.workload = loading.result()
+        self.sampler = PromptSampler(self.workload.train, config.data.seed)
+        with timer("startup_plan"):  # stops here, in seconds, when the run cannot fit
+            plan = check_memory(config, model_path, Console(highlight=False), self.workload.longest_prompt)
         with timer("startup_workers"):  # the engines load their weights while the train group loads its own
             self.train = TrainGroup(config, model_path)
             stack.callback(self.train.shutdown)
             self.rollout = RolloutGroup(config, model_path)
             stack.callback(self.rollout.shutdown)
-            with timer("startup_data"):  # while the actors start
-                self.workload = load_workload(config.data, model_path)
-                self.sampler = PromptSampler(self.workload.train, config.data.seed)
             rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
             self.grader = CompletionGrader(rewards, self.workload.tokenizer)
             self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, self.run_dir)
@@ -88,7 +95,11 @@ class Controller:
             self._resume()
             self.weight_sync.full_resync(self.policy_version)
         # from the process's start (imports included) to the first step: logged with that step
-        self.startup = {**timer.seconds, "timing_s/startup": time.time() - psutil.Process().create_time()}
+        self.startup = {
+            **timer.seconds,
+            "timing_s/startup": time.time() - psutil.Process().create_time(),
+            "memory/plan_train_peak_gib": plan.processes[0].peak / GIB,  # beside the measured memory/train_peak_gib
+        }
         self.metrics = MetricsLogger(
             self.run_dir, config.logger, self.resolved_config, config.trainer.total_steps, self.start_step
         )

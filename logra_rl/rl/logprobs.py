@@ -7,26 +7,36 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-LOGPROB_CHUNK = 1024  # positions per fp32 log-softmax: bounds the (positions × vocab) temporaries
+LOGPROB_CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits: bounds the (positions × vocab) temporaries
+
+
+def logprob_chunk(vocab: int) -> int:
+    """Positions per log-softmax chunk: 1365 at SmolLM2's 49k vocabulary, 441 at Qwen2.5's 152k."""
+    return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab))
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log π(token t | < t) for t ≥ 1, aligned with input_ids[:, 1:] (float32), in position chunks."""
     logits, targets = logits[:, :-1], input_ids[:, 1:, None]
+    size = max(1, logprob_chunk(logits.shape[-1]) // max(1, logits.shape[0]))  # positions of every row
     chunks = []
-    for start in range(0, targets.shape[1], LOGPROB_CHUNK):
-        chunk = logits[:, start : start + LOGPROB_CHUNK].float() / temperature
-        picked = chunk.gather(-1, targets[:, start : start + LOGPROB_CHUNK]).squeeze(-1)
+    for start in range(0, targets.shape[1], size):
+        chunk = logits[:, start : start + size].float() / temperature
+        picked = chunk.gather(-1, targets[:, start : start + size]).squeeze(-1)
         chunks.append(picked - torch.logsumexp(chunk, dim=-1))
     return torch.cat(chunks, dim=1)
 
 
 def head_logprobs(
-    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float,
+    vocab: int,
 ) -> torch.Tensor:
     """log π(targets[i] | hidden[i]) (float32) for final hidden states (N, H) through the LM head `head`.
 
-    The head runs on LOGPROB_CHUNK positions at a time and, with gradients on, every chunk but the last
+    The head runs on `logprob_chunk(vocab)` positions at a time and, with gradients on, every chunk but the last
     recomputes its logits in the backward pass (activation checkpointing), so no (N × vocab) tensor ever
     exists: a microbatch costs one chunk's logits and their gradient instead of two or three full fp32
     copies. The last chunk's backward comes first, so keeping its logits costs no more than recomputing
@@ -38,9 +48,10 @@ def head_logprobs(
         return logits.gather(-1, picked[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
     chunks = []
-    starts = range(0, max(len(targets), 1), LOGPROB_CHUNK)  # one (empty) chunk keeps the graph whole
+    size = logprob_chunk(vocab)
+    starts = range(0, max(len(targets), 1), size)  # one (empty) chunk keeps the graph whole
     for start in starts:
-        states, picked = hidden[start : start + LOGPROB_CHUNK], targets[start : start + LOGPROB_CHUNK]
+        states, picked = hidden[start : start + size], targets[start : start + size]
         if torch.is_grad_enabled() and start != starts[-1]:
             chunks.append(checkpoint(chunk_logprobs, states, picked, use_reentrant=False))
         else:

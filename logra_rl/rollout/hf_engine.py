@@ -16,9 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
+from logra_rl.models.head import fold_head_inputs
 from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
+from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
@@ -65,6 +67,7 @@ class HFEngine(RolloutEngine):
             spec.model_path, dtype=getattr(torch, spec.dtype), attn_implementation=spec.attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        fold_head_inputs(self.model)
         targets = find_targets(self.model, spec.target_modules)
         weights = {canonical_name(name): module.weight for name, module in targets}
         self.merger = PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)
@@ -85,6 +88,7 @@ class HFEngine(RolloutEngine):
         completions = []
         for start in range(0, len(rows), GENERATE_BATCH_ROWS):
             completions += self._generate_batch(rows[start : start + GENERATE_BATCH_ROWS], params)
+        release_free_memory()  # the KV cache and logits: the train ranks run next
         return completions
 
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -126,6 +130,8 @@ class HFEngine(RolloutEngine):
             self.merger.apply(UpdatePayload.from_bytes(payload))
         except Exception as error:
             return SyncResult(applied=False, version=self.version, reason=f"{type(error).__name__}: {error}")
+        finally:
+            release_free_memory()
         return SyncResult(applied=True, version=self.version)
 
     def load_weights(
@@ -138,6 +144,7 @@ class HFEngine(RolloutEngine):
         if unexpected:
             raise KeyError(f"full resync sent weights this model does not have: {unexpected[:4]}")
         self.resync.receive(state, version, bucket, buckets)
+        release_free_memory()
         return SyncResult(applied=True, version=self.version)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

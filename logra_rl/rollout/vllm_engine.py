@@ -17,6 +17,7 @@ import torch
 
 from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.resync import bucket_tensors
+from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.shards import combine_shards
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
@@ -35,17 +36,18 @@ def cpu_thread_binding(workers: int) -> str:
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
-def cpu_kv_cache_gib(spec: EngineSpec, max_gib: int = 8) -> int:
-    """KV cache for `spec.max_num_seqs` sequences of `max_model_len` tokens on one CPU TP worker, in whole GiB
-    (at least 1, at most `max_gib`): key + value per layer of the worker's share of the KV heads."""
-    from transformers import AutoConfig
+def kv_bytes_per_token(spec: EngineSpec) -> int:
+    """Key + value bytes of one token on one TP worker: every layer's share of the KV heads."""
+    from logra_rl.models.footprint import model_footprint
 
-    config = AutoConfig.from_pretrained(spec.model_path)
-    config = getattr(config, "text_config", config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = max(1, config.num_key_value_heads // spec.tensor_parallel_size)
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(getattr(torch, spec.dtype)).bits // 8
-    need = per_token * spec.max_model_len * spec.max_num_seqs
+    footprint = model_footprint(spec.model_path, spec.target_modules, "float32")
+    return footprint.kv_bytes_per_token(torch.finfo(getattr(torch, spec.dtype)).bits // 8, spec.tensor_parallel_size)
+
+
+def cpu_kv_cache_gib(per_token: int, max_model_len: int, max_num_seqs: int, max_gib: int = 8) -> int:
+    """KV cache for `max_num_seqs` sequences of `max_model_len` tokens of `per_token` bytes on one CPU TP worker,
+    in whole GiB (at least 1, at most `max_gib`; vLLM's CPU default is a share of the host instead)."""
+    need = per_token * max_model_len * max_num_seqs
     return int(min(max_gib, max(1, -(-need // 2**30))))
 
 
@@ -62,7 +64,8 @@ class VLLMEngine(RolloutEngine):
         cpu = {}
         if not torch.cuda.is_available():
             # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(spec)))
+            kv_gib = cpu_kv_cache_gib(kv_bytes_per_token(spec), spec.max_model_len, spec.max_num_seqs)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
             # vLLM rewinds a seeded request's generator when it drops the token sampled for a partly prefilled
             # (chunked) prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset"). With
             # chunked prefill off and a token budget of a whole sequence, every prompt is prefilled in one step.
@@ -116,6 +119,7 @@ class VLLMEngine(RolloutEngine):
                 tokens = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
                 completions.append(Completion(prompt, tokens, logprobs, sample.finish_reason == "stop"))
+        release_free_memory()
         return completions
 
     def _sync(self, method: str, *args) -> SyncResult:

@@ -35,6 +35,7 @@ from logra_rl.logra import (
 from logra_rl.logra.merge import new_residual
 from logra_rl.rollout.resync import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
+from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,8 @@ class LograWorkerExtension:
                 "version": self.logra_merger.version,
                 "reason": f"{type(error).__name__}: {error}",
             }
+        finally:
+            release_free_memory()
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
     def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
@@ -166,6 +169,8 @@ class LograWorkerExtension:
         self._logra_reload(cast)  # in shadow mode this also reloads the bucket's targets
         with torch.inference_mode():
             self.logra_resync.receive(state, version, bucket, buckets)
+        del cast
+        release_free_memory()
         return {"applied": True, "version": self.logra_merger.version, "reason": ""}
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

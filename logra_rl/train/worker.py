@@ -29,13 +29,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import UpdatePayload
+from logra_rl.models.head import fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import is_adapter, lora_layers, merged_state
 from logra_rl.train.optimizers import KLProbe, Outcome, UpdateInputs, update_rule_class
 from logra_rl.utils.device import resolve_device
-from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
+from logra_rl.utils.memory import peak_rss_bytes, release_free_memory, rss_bytes
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
 from logra_rl.utils.timing import Timer
@@ -97,8 +98,8 @@ class TrainWorker:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         loaded = None
-        if self.rank == 0:
-            loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
+        if self.rank == 0:  # in the checkpoint's own dtype (bf16: half an fp32 copy); the shards upcast exactly
+            loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path, dtype="auto")
         with torch.device("meta"):
             model = self._build(AutoModelForCausalLM.from_config, AutoConfig.from_pretrained(self.model_path))
         self.lora = lora_layers(model)  # empty unless the rule added adapters
@@ -106,26 +107,36 @@ class TrainWorker:
         self.model.to_empty(device=self.device)
         self._receive_weights(loaded)
         del loaded
+        release_free_memory()
         base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         self.decoder, self.output_embeddings = base.get_decoder(), base.get_output_embeddings()
+        fold_head_inputs(base)  # the hidden-state pass applies the head to the last position of each row
+        self.vocab = self.output_embeddings.weight.shape[0]
         self.logit_softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 and 3
         self.rule = self.rule_class(self.model, self.config, self.world_size)
         self.model.train()
         return self.rule.version
 
-    def _build(self, constructor: Callable[..., torch.nn.Module], source: str | PretrainedConfig) -> torch.nn.Module:
-        """The fp32 model as trained: checkpointing, then what the update rule trains (LoRA: adapters)."""
+    def _build(
+        self,
+        constructor: Callable[..., torch.nn.Module],
+        source: str | PretrainedConfig,
+        dtype: torch.dtype | str = torch.float32,
+    ) -> torch.nn.Module:
+        """The model as trained (fp32 unless told): checkpointing, then what the update rule trains (LoRA:
+        adapters)."""
         model_config = self.config.model
-        model = constructor(source, dtype=torch.float32, attn_implementation=model_config.attn_implementation)
+        model = constructor(source, dtype=dtype, attn_implementation=model_config.attn_implementation)
         if model_config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return self.rule_class.prepare_model(model, self.config)
 
     def _receive_weights(self, loaded: torch.nn.Module | None) -> None:
-        """Fill the empty shards from rank 0's full model (`loaded`; None on the other ranks).
+        """Fill the empty fp32 shards from rank 0's full model (`loaded`; None on the other ranks).
 
-        Only rank 0 reads the checkpoint, so host memory holds one full fp32 copy per node instead of
-        one per rank (27B: 108 GB instead of 432 GB on 4 ranks); the others build on the meta device.
+        Only rank 0 reads the checkpoint, in its own dtype, so host memory holds one full copy per node
+        instead of one fp32 copy per rank (27B in bf16: 54 GB instead of 432 GB on 4 ranks); the others
+        build on the meta device. Each tensor travels in the checkpoint's dtype and is upcast into the shards.
         Buffers (rotary frequencies, which are not in the state dict) are broadcast too.
         """
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -187,6 +198,8 @@ class TrainWorker:
                     **update_metrics,
                 }
             )
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the probe's)
+        release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)
         metrics["rollout/logprob_diff_mean"] = first["mismatch_all"] / max(first["tokens"], 1)
         metrics.update(self._memory_metrics())
@@ -223,7 +236,7 @@ class TrainWorker:
         ids = micro.input_ids.to(self.device)
         where = micro.loss_mask[:, 1:].to(self.device).bool()
         hidden = self._hidden_states(ids, micro.attention_mask.to(self.device))[:, :-1]
-        values = head_logprobs(hidden[where], self._head, ids[:, 1:][where], self.temperature)
+        values = head_logprobs(hidden[where], self._head, ids[:, 1:][where], self.temperature, self.vocab)
         return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values)
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:

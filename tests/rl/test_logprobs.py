@@ -6,7 +6,7 @@ import logra_rl.rl.logprobs as logprobs
 
 
 def test_token_logprobs_in_chunks_equal_the_full_log_softmax(monkeypatch):
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3)
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK_BYTES", 6 * 4 * 11)  # 3 positions of each of the 2 rows
     logits = torch.randn(2, 8, 11)
     ids = torch.randint(0, 11, (2, 8))
     expected = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -16,7 +16,8 @@ def test_token_logprobs_in_chunks_equal_the_full_log_softmax(monkeypatch):
 def test_head_logprobs_in_chunks_equal_the_full_logits_values_and_gradients(monkeypatch):
     """Chunked and recomputed in backward, the LM-head path gives the full-logits log-probs and the same
     gradients for the hidden states and the head's weight and bias."""
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3)
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK_BYTES", 3 * 4 * 13)  # 3 positions of a 13-token vocabulary
+    assert logprobs.logprob_chunk(13) == 3
     torch.manual_seed(0)
     head = torch.nn.Linear(6, 13)
     hidden = torch.randn(10, 6)
@@ -27,7 +28,7 @@ def test_head_logprobs_in_chunks_equal_the_full_logits_values_and_gradients(monk
         head.zero_grad()
         states = hidden.clone().requires_grad_(True)
         if chunked:
-            values = logprobs.head_logprobs(states, head, targets, 0.7)
+            values = logprobs.head_logprobs(states, head, targets, 0.7, 13)
         else:
             values = torch.log_softmax(head(states) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
         (values * weights).sum().backward()
@@ -42,6 +43,6 @@ def test_head_logprobs_of_no_tokens_keep_the_graph():
     to run the same backward collectives."""
     head = torch.nn.Linear(4, 5)
     states = torch.randn(0, 4, requires_grad=True)
-    values = logprobs.head_logprobs(states, head, torch.zeros(0, dtype=torch.long), 1.0)
+    values = logprobs.head_logprobs(states, head, torch.zeros(0, dtype=torch.long), 1.0, 5)
     values.sum().backward()
     assert values.shape == (0,) and states.grad.shape == (0, 4) and torch.equal(head.weight.grad, torch.zeros(5, 4))

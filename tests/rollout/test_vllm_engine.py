@@ -20,7 +20,7 @@ from logra_rl.config import RunConfig  # noqa: E402
 from logra_rl.logra import PayloadMerger  # noqa: E402
 from logra_rl.orchestration.controller import Controller  # noqa: E402
 from logra_rl.rollout.base import EngineSpec  # noqa: E402
-from logra_rl.rollout.vllm_engine import cpu_kv_cache_gib  # noqa: E402
+from logra_rl.rollout.vllm_engine import cpu_kv_cache_gib, kv_bytes_per_token  # noqa: E402
 from logra_rl.rollout.vllm_worker import in_place_targets  # noqa: E402
 from logra_rl.train.api import LowRankPayloads  # noqa: E402
 from tests.models.test_smollm2 import REPO, SMALL_RUN, SPREAD_REWARD  # noqa: E402
@@ -172,6 +172,7 @@ def test_two_steps_and_an_eval_on_the_real_model_through_vllm(tmp_path, smollm2_
 def test_the_cpu_kv_cache_is_sized_for_the_runs_sequences(smollm2_model):
     spec = EngineSpec(smollm2_model, "bfloat16", "float32", ("q_proj",), 256, "cpu", max_model_len=192)
     # key + value x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 bytes a token; x 192 tokens x 256 sequences
-    assert cpu_kv_cache_gib(spec) == 2  # 1.06 GiB, rounded up
-    assert cpu_kv_cache_gib(dataclasses.replace(spec, tensor_parallel_size=3)) == 1  # a third per rank
-    assert cpu_kv_cache_gib(dataclasses.replace(spec, max_model_len=8192)) == 8  # capped
+    assert kv_bytes_per_token(spec) == 23_040
+    assert cpu_kv_cache_gib(kv_bytes_per_token(spec), 192, spec.max_num_seqs) == 2  # 1.06 GiB, rounded up
+    assert kv_bytes_per_token(dataclasses.replace(spec, tensor_parallel_size=3)) == 23_040 // 3  # a third per rank
+    assert cpu_kv_cache_gib(23_040, 8192, spec.max_num_seqs) == 8  # capped

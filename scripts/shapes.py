@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Real models' shapes, for benchmarks and memory plans without a hub: the exact architecture, random weights.
+
+    .venv/bin/python scripts/shapes.py qwen2.5-1.5b /tmp/qwen2.5-1.5b            # config.json only (for logra-plan)
+    .venv/bin/python scripts/shapes.py qwen2.5-1.5b /tmp/qwen2.5-1.5b --weights  # + random bf16 weights, a tokenizer
+
+A directory with config.json is all `logra-plan model.path=DIR` needs; with `--weights` it is a model
+`logra-train model.path=DIR` trains: random weights (seeded, HF's init) stored in bfloat16 as the real
+checkpoints are, and SmolLM2-135M-Instruct's tokenizer and chat template (its 49,152 ids are a subset of the
+shape's vocabulary; what memory and speed depend on is the vocabulary's size, which is the real one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only model shape; `family` picks the transformers class."""
+
+    name: str
+    family: str  # qwen3 | qwen2 | gemma3
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    def hf_config(self) -> transformers.PretrainedConfig:
+        common = dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            tie_word_embeddings=self.tied,
+        )
+        if self.family == "qwen2":  # Qwen2 derives head_dim = hidden / heads (128 for both shapes used)
+            assert self.hidden // self.heads == self.head_dim, self
+            return transformers.Qwen2Config(max_position_embeddings=32768, **common)
+        if self.family == "gemma3":
+            return transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
+        return transformers.Qwen3Config(head_dim=self.head_dim, attention_dropout=0.0, **common)
+
+    def model_class(self) -> type[nn.Module]:
+        classes = {
+            "qwen3": transformers.Qwen3ForCausalLM,
+            "qwen2": transformers.Qwen2ForCausalLM,
+            "gemma3": transformers.Gemma3ForCausalLM,
+        }
+        return classes[self.family]
+
+
+# The training-step model of bench_logra: ~0.37B parameters, hidden 1024, Qwen3 layout, untied embeddings.
+TRAIN_SHAPE = Shape("qwen3-0.37B", "qwen3", 1024, 3072, 24, 16, 8, 64, 32768, False)
+QUICK_TRAIN_SHAPE = Shape("qwen3-21M", "qwen3", 512, 1536, 4, 8, 4, 64, 8192, False)
+QWEN25_1P5B = Shape("Qwen2.5-1.5B", "qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True)
+QWEN25_7B = Shape("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 128, 151936, False)
+GEMMA3_27B = Shape("Gemma-3-27B (text)", "gemma3", 5376, 21504, 62, 32, 16, 128, 262208, True)
+SHAPES = {"qwen2.5-1.5b": QWEN25_1P5B, "qwen2.5-7b": QWEN25_7B, "gemma3-27b": GEMMA3_27B, "qwen3-0.37b": TRAIN_SHAPE}
+
+
+def write_model(shape: Shape, out: Path, weights: bool, seed: int = 0) -> Path:
+    """`out` with the shape's config.json (dtype bfloat16, as released); with `weights`, random weights and
+    SmolLM2's tokenizer."""
+    config = shape.hf_config()
+    config.dtype = torch.bfloat16
+    out.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        config.save_pretrained(out)
+        return out
+    from logra_rl.models.smollm2 import fetch_smollm2
+
+    torch.manual_seed(seed)
+    model = shape.model_class()(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    del model
+    smollm2 = fetch_smollm2()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    tokenizer.save_pretrained(out)
+    shutil.copy(smollm2 / "generation_config.json", out / "generation_config.json")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--weights", action="store_true", help="random bf16 weights and a tokenizer, not just config")
+    args = parser.parse_args()
+    print(write_model(SHAPES[args.shape], args.out, args.weights))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The memory plan: what each process holds, checked before anything starts; a run that cannot fit stops in
+seconds with one line, and `logra-plan` shows the plan without starting anything."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from transformers import Gemma3TextConfig
+
+from logra_rl.config import RunConfig
+from logra_rl.models.footprint import model_footprint
+from logra_rl.orchestration.memory_plan import (
+    GIB,
+    Machine,
+    MemoryPlanError,
+    check_memory,
+    memory_problem,
+    plan_memory,
+    with_changes,
+)
+from tests.tiny_models import tiny_qwen3_config
+
+BIN = Path(sys.executable).parent
+CPU_HOST = Machine(cuda=False, host=20 * GIB, gpu=None)
+H100_NODE = Machine(cuda=True, host=1800 * GIB, gpu=80 * GIB)
+
+
+def run_config(*overrides: str) -> RunConfig:
+    with initialize_config_module(config_module="logra_rl.configs", version_base=None):
+        return RunConfig.from_mapping(compose("config", overrides=list(overrides)))
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    config = tiny_qwen3_config(hidden_size=128, intermediate_size=352, num_hidden_layers=4)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def parts(process):
+    return {part.name: part.nbytes for part in process.parts}
+
+
+def test_dense_holds_gradients_and_adam_moments_logra_holds_sketches(model_dir):
+    logra = run_config("cluster.train_workers=2", "logra.rank=16")
+    dense = with_changes(logra, optimizer={"name": "dense"})
+    model = model_footprint(model_dir, logra.logra.target_modules, "float32")
+    logra_rank = parts(plan_memory(logra, model_dir, CPU_HOST).process("train rank"))
+    dense_rank = parts(plan_memory(dense, model_dir, CPU_HOST).process("train rank"))
+    assert logra_rank["weights"] == dense_rank["weights"] == 4 * model.params / 2  # fp32 masters, sharded
+    assert dense_rank["Adam moments"] == 8 * model.params / 2
+    assert dense_rank["gradients"] >= 4 * model.params / 2
+    # a d_out x r sketch and an r x k_in projection per target in fp32, and one second moment per row
+    state = 4 * 16 * (model.target_rows + model.target_cols) + 4 * model.target_rows
+    assert logra_rank["LoGRA state"] == state and "Adam moments" not in logra_rank
+
+
+def test_the_engine_residual_is_two_bytes_per_targeted_weight_with_the_tail(model_dir):
+    config = run_config()
+    model = model_footprint(model_dir, config.logra.target_modules, "float32")
+    for residual, size in (("tail", 2), ("float32", 4), ("none", 0)):
+        engine = plan_memory(with_changes(config, rollout={"residual": residual}), model_dir, CPU_HOST)
+        assert parts(engine.process("rollout engine"))["residual"] == size * model.target_params
+    dense = plan_memory(with_changes(config, optimizer={"name": "dense"}), model_dir, CPU_HOST)
+    assert parts(dense.process("rollout engine"))["residual"] == 0  # full resyncs: no merges, no residual
+
+
+def test_generation_buffers_follow_the_datas_longest_prompt(model_dir):
+    config = run_config("data.max_prompt_length=1024")
+    short = parts(plan_memory(config, model_dir, CPU_HOST, prompt_tokens=64).process("rollout engine"))
+    long = parts(plan_memory(config, model_dir, CPU_HOST).process("rollout engine"))
+    assert short["KV cache"] < long["KV cache"] and short["prefill"] * 16 == long["prefill"]
+
+
+@pytest.fixture()
+def gemma3_27b(tmp_path):
+    """Gemma 3 27B's text model as a config alone: 62 layers, hidden 5376, vocab 262k, tied embeddings."""
+    config = Gemma3TextConfig(
+        vocab_size=262208,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+    )
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_the_27b_preset_fits_one_h100_node_with_logra_and_not_with_dense(gemma3_27b):
+    config = run_config("+experiment=reasoning_gym_hard_27b", f"model.path={gemma3_27b}")
+    logra = plan_memory(config, gemma3_27b, H100_NODE)
+    assert logra.fits, logra.rows()
+    assert 27e9 < model_footprint(gemma3_27b, config.logra.target_modules, "bfloat16").params < 27.1e9
+    dense_config = with_changes(config, optimizer={"name": "dense"})
+    dense = plan_memory(dense_config, gemma3_27b, H100_NODE)
+    assert not dense.fits
+    # 16 bytes of fp32 weights, gradients and moments per parameter over 4 GPUs: 108 GB each before activations
+    assert dense.process("train rank").peak > 16 * 27e9 / 4
+    problem = memory_problem(dense, dense_config, gemma3_27b, H100_NODE)
+    assert problem.startswith("memory plan: each train GPU needs") and "80.0 GiB available" in problem
+    assert "Fits with optimizer=logra" in problem
+
+
+def test_check_memory_refuses_or_warns_as_configured(model_dir, capsys):
+    from rich.console import Console
+
+    config = run_config("cluster.host_memory_gib=0.5")
+    with pytest.raises(MemoryPlanError, match=r"memory plan: host needs [\d.]+ GiB, 0.5 GiB available"):
+        check_memory(config, model_dir, Console())
+    plan = check_memory(with_changes(config, cluster={"memory_check": False}), model_dir, Console())
+    assert not plan.fits and "Running anyway: cluster.memory_check=false" in capsys.readouterr().out
+
+
+def test_a_run_that_cannot_fit_stops_in_seconds_with_one_line(tmp_path):
+    start = time.perf_counter()
+    result = subprocess.run(
+        [str(BIN / "logra-train"), "optimizer=dense", "cluster.host_memory_gib=1", "trainer.run_name=nofit"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("logra-train: MemoryPlanError: memory plan: host needs"), result.stderr[-2000:]
+    assert "1.0 GiB available" in last and "cluster.memory_check=false runs anyway" in last
+    assert "Traceback" not in result.stderr
+    assert time.perf_counter() - start < 60
+    assert not list(tmp_path.rglob("metrics.jsonl"))  # nothing ran
+
+
+def test_logra_plan_prints_the_plan_and_starts_nothing(tmp_path):
+    result = subprocess.run(
+        [str(BIN / "logra-plan"), "trainer.prompts_per_step=64"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for row in ("train rank 0", "rollout engine", "driver + Ray", "host needs"):
+        assert row in result.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory, no model built here
+    refused = subprocess.run(
+        [str(BIN / "logra-plan"), "cluster.host_memory_gib=0.1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and "logra-plan: memory plan: host needs" in refused.stderr
