@@ -88,12 +88,23 @@ def _train(cfg: DictConfig) -> None:
     schedule = lr_schedule_note(config)
     if schedule:
         print(f"[logra-train] {schedule}")
+    command = ""
     if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
+        command = resume_command(sys.argv[1:], config.trainer.run_name)
         print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
     try:
-        Controller(config, run_dir, resolved).run()
+        Controller(config, run_dir, resolved, resume_command=command).run()
     except Exception as error:
         _exit_with_one_line(error)
+
+
+def resume_command(arguments: list[str], run_name: str) -> str:
+    """The command line that continues this run: the user's arguments with the run's name pinned (a
+    timestamped default would name a new run)."""
+    import shlex
+
+    kept = [a for a in arguments if not a.startswith(("hydra.job.name=", "trainer.run_name="))]
+    return shlex.join(["logra-train", *kept, f"trainer.run_name={run_name}"])
 
 
 def lr_schedule_note(config: RunConfig) -> str | None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -174,3 +175,75 @@ def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, 
     key = "model.layers.0.self_attn.q_proj.weight"
     assert float((exported[key] - base[key]).abs().max()) > 0  # the adapters were merged in
     assert not any("lora" in k for k in exported)
+
+
+def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_the_run(tmp_path, quickstart_model):
+    common = [
+        "model=hf",
+        f"model.path={quickstart_model}",
+        "logra=quickstart",
+        "trainer.prompts_per_step=16",
+        "trainer.checkpoint_every=0",  # the signal's checkpoint is the only one
+        "trainer.eval_every=3",
+        "trainer.total_steps=8",
+        "logger.progress=false",
+        "logger.plot=false",
+    ]
+    result = logra_train(*common, "trainer.run_name=straight", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = metrics(tmp_path / "outputs/quickstart/straight")
+
+    run_dir = tmp_path / "outputs/quickstart/signalled"
+    process = subprocess.Popen(
+        [LOGRA_TRAIN, *common, "trainer.run_name=signalled"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    signalled = time.perf_counter()
+    process.send_signal(signal.SIGTERM)  # the driver alone, as Kubernetes signals a container's first process
+    _, stderr = process.communicate(timeout=120)
+    assert time.perf_counter() - signalled < 30  # within SLURM's default grace
+    assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if "interrupted by SIGTERM at step" in line)
+    step = int(line.split("at step ")[1].split(":")[0])
+    assert 2 <= step < 8 and (run_dir / f"checkpoints/step_{step}/controller.json").exists()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(step))  # the steps run, each once
+
+    command = shlex.split(line.split("resume with: ")[1])
+    assert command[0] == "logra-train" and command[-1] == "trainer.run_name=signalled"
+    result = subprocess.run([LOGRA_TRAIN, *command[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {run_dir / f'checkpoints/step_{step}'}" in result.stdout
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(9))  # 8 steps + the final eval, each once
+    assert [stable(r) for r in resumed] == [stable(r) for r in straight]
+
+
+def test_a_second_interrupt_exits_at_once_without_a_traceback(tmp_path, quickstart_model):
+    common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.total_steps=1000"]
+    process = subprocess.Popen(
+        [LOGRA_TRAIN, *common, "trainer.run_name=twice", "logger.progress=false"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics_file = tmp_path / "outputs/quickstart/twice/metrics.jsonl"
+    deadline = time.time() + 240
+    while not metrics_file.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT and "Traceback" not in stderr, stderr[-3000:]
+    assert "SIGINT: stopping at the next safe point" in stderr

@@ -15,11 +15,12 @@ train group's: the step, the prompt sampler and the running baseline.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import psutil
@@ -33,6 +34,7 @@ from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.memory_plan import GIB, check_memory
+from logra_rl.orchestration.preemption import Preemption
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
@@ -42,18 +44,26 @@ from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.train.api import NoChange, StepResult
 from logra_rl.train.batch import pack_batch
-from logra_rl.utils.checkpoint import Checkpoints, read_controller_state
+from logra_rl.utils.checkpoint import Checkpoints, read_controller_state, verify
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
 from logra_rl.utils.seeding import ROLLOUT_STREAM, stream_seed
 from logra_rl.utils.timing import Timer
 
 
+class StepAbandoned(Exception):
+    """A signal arrived while the step generated: the step stops before it trains anything."""
+
+
 class Controller:
-    def __init__(self, config: RunConfig, run_dir: Path, resolved_config: dict[str, Any]) -> None:
+    def __init__(
+        self, config: RunConfig, run_dir: Path, resolved_config: dict[str, Any], resume_command: str = ""
+    ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resolved_config = resolved_config
+        self.resume_command = resume_command  # printed when a signal stops the run
+        self.preemption = Preemption()
         self.checkpoints = Checkpoints(self.run_dir, config.trainer.keep_checkpoints)
         self.baseline = RunningBaseline(
             config.algorithm.baseline_weight, config.algorithm.failure_reward, success_threshold=1.0
@@ -76,6 +86,7 @@ class Controller:
             with timer("startup_ray"):
                 if start_ray(config):
                     stack.callback(ray.shutdown)
+                self.preemption.arm()  # Ray's own SIGTERM handler would end the driver at once
             with timer("startup_data"):
                 self.workload = loading.result()
         self.sampler = PromptSampler(self.workload.train, config.data.seed)
@@ -108,11 +119,16 @@ class Controller:
         resume = self.config.trainer.resume
         path = None
         if resume == "auto":
-            path = self.checkpoints.latest()
+            path, skipped = self.checkpoints.resumable()
+            for line in skipped:
+                print(f"[logra-train] {line}")
         elif resume != "never":
             path = Path(resume)
             if not (path / "controller.json").exists():
                 raise FileNotFoundError(f"trainer.resume={resume}: no checkpoint there (expected controller.json)")
+            problem = verify(path)
+            if problem:
+                raise ValueError(f"trainer.resume={resume}: the checkpoint is damaged ({problem})")
         if path is None:
             return
         state = read_controller_state(path)
@@ -125,23 +141,47 @@ class Controller:
     # ---- the step loop --------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, Any]]:
-        try:
-            self.setup()
-            trainer = self.config.trainer
-            for step in range(self.start_step, trainer.total_steps):
-                metrics = dict(self.startup) if step == self.start_step else {}
-                if trainer.eval_every and step % trainer.eval_every == 0:
-                    metrics.update(self.evaluator.evaluate(step))
-                metrics.update(self.step(step))
-                self.metrics.log(step, metrics)
-                if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
-                    self.save_checkpoint(step + 1)
-            if trainer.eval_every and self.start_step < trainer.total_steps:
-                self.metrics.log(trainer.total_steps, self.evaluator.evaluate(trainer.total_steps))
-            self.finish()
-            return self.metrics.history
-        finally:
-            self.teardown()
+        """Set up, run the steps, evaluate, finish; a SIGTERM / SIGINT stops it at a safe point with a
+        checkpoint (`stop`, which exits with the signal's status)."""
+        with self.preemption:
+            try:
+                self.setup()
+                trainer = self.config.trainer
+                for step in range(self.start_step, trainer.total_steps):
+                    before = self.driver_state(step)
+                    if self.preemption.requested:
+                        self.stop(before)
+                    metrics = dict(self.startup) if step == self.start_step else {}
+                    if trainer.eval_every and step % trainer.eval_every == 0:
+                        metrics.update(self.evaluator.evaluate(step))
+                    try:
+                        metrics.update(self.step(step))
+                    except StepAbandoned:
+                        self.stop(before)
+                    self.metrics.log(step, metrics)
+                    if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
+                        self.save_checkpoint(self.driver_state(step + 1))
+                if trainer.eval_every and self.start_step < trainer.total_steps:
+                    self.metrics.log(trainer.total_steps, self.evaluator.evaluate(trainer.total_steps))
+                self.finish()
+                return self.metrics.history
+            finally:
+                self.teardown()
+
+    def stop(self, state: dict[str, Any]) -> NoReturn:
+        """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit with the
+        signal's status, saying how to resume."""
+        step = state["step"]
+        latest = self.checkpoints.latest()
+        path = latest if latest is not None and latest.name == f"step_{step}" else self.save_checkpoint(state)
+        self.metrics.close()
+        print(
+            f"[logra-train] interrupted by {self.preemption.name} at step {step}: checkpoint {path}; "
+            f"resume with: {self.resume_command or 'the same command'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(self.preemption.exit_code)
 
     def step(self, step: int) -> dict[str, float]:
         timer = Timer()
@@ -150,6 +190,8 @@ class Controller:
             with timer("rollout"):
                 seed = stream_seed(self.config.trainer.seed, step, ROLLOUT_STREAM)
                 completions = self.rollout.generate([p.token_ids for p in prompts], self.sampling(), seed)
+            if self.preemption.requested:  # nothing has trained yet: the step can be run again from its start
+                raise StepAbandoned(step)
             with timer("reward"):
                 rewards, reward_metrics = self.grader.grade(prompts, completions)  # 2. rewards
             baseline = self.baseline.value
@@ -204,13 +246,16 @@ class Controller:
 
     # ---- checkpoints, the end -------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int) -> None:
-        """The train group's state (weights, optimizer, policy version) and the driver's (step, sampler,
-        baseline), committed together."""
-        path = self.checkpoints.begin(step)
+    def driver_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint holds of the driver before `step` runs: the step, the sampler, the baseline."""
+        return {"step": step, "sampler": self.sampler.state_dict(), "baseline": self.baseline.state_dict()}
+
+    def save_checkpoint(self, state: dict[str, Any]) -> Path:
+        """The train group's state (weights, optimizer, policy version) and the driver's `state`, committed
+        together."""
+        path = self.checkpoints.begin(state["step"])
         self.train.save(str(path))
-        state = {"step": step, "sampler": self.sampler.state_dict(), "baseline": self.baseline.state_dict()}
-        self.checkpoints.commit(step, state)
+        return self.checkpoints.commit(state["step"], state)
 
     def finish(self) -> None:
         self.metrics.close()

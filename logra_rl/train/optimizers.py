@@ -26,9 +26,8 @@ from logra_rl.config import OptimizerConfig, RunConfig
 from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload
 from logra_rl.train.api import FullResync, NoChange
 from logra_rl.train.lora import add_lora
+from logra_rl.utils.checkpoint import UPDATE_STATE
 from logra_rl.utils.shards import full_tensor
-
-UPDATE_STATE = "update_state.pt"  # the rule's own state (and the policy version) inside a checkpoint
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Checkpoint directories: written under a temporary name, renamed when complete, `latest` updated atomically.
 
 A run killed mid-save leaves only a `step_N.tmp` directory, which is ignored and removed on the next save,
-so `latest` always names a complete checkpoint.
+so `latest` always names a complete checkpoint. A complete one can still be damaged afterwards (a file lost
+or cut short by a disk or a copy): `verify` reads every file's size against what the checkpoint records, and
+a resume takes the newest checkpoint that verifies, naming the ones it skips.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from logra_rl.utils.structs import flatten
+
+UPDATE_STATE = "update_state.pt"  # the update rule's own state (and the policy version) inside a checkpoint
+SHARDED = ("model", "optimizer")  # torch.distributed.checkpoint directories (the optimizer's: dense and LoRA)
 
 # What a resumed run may change: its length, logging, cluster shape, eval and sync cadence, grading
 # resources. Everything else (model, data, algorithm, optimizer, LoGRA, sampling, seed, batch) must match.
@@ -85,6 +90,16 @@ class Checkpoints:
         path = self.root / pointer.read_text().strip()
         return path if path.is_dir() else None
 
+    def resumable(self) -> tuple[Path | None, list[str]]:
+        """The newest complete checkpoint that verifies, and a line for each newer one that does not."""
+        skipped = []
+        for path in reversed(self._complete()):
+            problem = verify(path)
+            if problem is None:
+                return path, skipped
+            skipped.append(f"checkpoint {path} is damaged ({problem}); skipped")
+        return None, skipped
+
     def _complete(self) -> list[Path]:
         steps = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
         return sorted(steps, key=lambda p: int(p.name.split("_")[1]))
@@ -92,3 +107,40 @@ class Checkpoints:
 
 def read_controller_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "controller.json").read_text())
+
+
+def verify(path: Path) -> str | None:
+    """What makes the checkpoint at `path` unusable, or None: a missing or unreadable controller state or update
+    state, a sharded directory without its metadata, or a shard file missing or shorter than the metadata says.
+    Reads sizes and the small files, not the shards."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    try:
+        state = read_controller_state(path)
+        missing = {"step", "sampler", "baseline"} - state.keys()
+        if missing:
+            return f"controller.json lacks {sorted(missing)}"
+        torch.load(path / UPDATE_STATE, weights_only=True)
+    except (OSError, ValueError, RuntimeError, EOFError) as error:
+        return f"{type(error).__name__}: {error}"
+    if not (path / "model").is_dir():
+        return "no model directory"
+    for name in SHARDED:
+        directory = path / name
+        if not directory.is_dir():
+            continue
+        try:
+            storage = FileSystemReader(directory).read_metadata().storage_data
+        except Exception as error:
+            return f"{name}/.metadata unreadable ({type(error).__name__})"
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for relative, size in sorted(needed.items()):
+            file = directory / relative
+            have = file.stat().st_size if file.exists() else -1
+            if have < size:
+                return f"{name}/{relative} is {'missing' if have < 0 else f'{have} of {size} bytes'}"
+    return None

@@ -76,7 +76,7 @@ class MetricsLogger:
         """Keep only records of steps before `step`: a resumed run rewrites what came after its checkpoint."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) < step]
         self.path.write_text("".join(f"{line}\n" for line in kept))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -110,6 +110,14 @@ class MetricsLogger:
             self._progress.stop()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _step_of(line: str) -> float:
+    """A record's step; a line a kill cut short (or an empty one) counts as after every step, so it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def _plain(value: Any) -> Any:

@@ -30,3 +30,37 @@ def test_resume_conflicts_name_the_settings_a_resume_may_not_change():
     assert resume_conflicts(saved, other) == ["logra.rank: 256 → 64", "trainer.seed: 1 → 2"]
     assert resume_conflicts(saved, {**saved, "eval": {"checkpoint": "x"}}) == []
     assert resume_conflicts(saved, {**saved, "data": {"name": "math"}}) == ["data.name: None → 'math'"]
+
+
+def write_checkpoint(checkpoints: Checkpoints, step: int) -> None:
+    """A checkpoint as the trainer writes one: DCP shards of a model, the update state, the controller state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from logra_rl.utils.checkpoint import UPDATE_STATE
+
+    path = checkpoints.begin(step)
+    dcp.save({"model": {"w": torch.full((256, 64), float(step))}}, checkpoint_id=path / "model")
+    torch.save({"update_count": step}, path / UPDATE_STATE)
+    checkpoints.commit(step, {"step": step, "sampler": {}, "baseline": {}})
+
+
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumed(tmp_path):
+    from logra_rl.utils.checkpoint import verify
+
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    for step in (3, 6, 9):
+        write_checkpoint(checkpoints, step)
+    root = tmp_path / "checkpoints"
+    assert all(verify(root / f"step_{step}") is None for step in (3, 6, 9))
+    assert checkpoints.resumable() == (root / "step_9", [])
+
+    shard = next((root / "step_9/model").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short, as by a full disk or an interrupted copy
+    (root / "step_6" / "update_state.pt").unlink()
+    path, skipped = checkpoints.resumable()
+    assert path == root / "step_3"
+    assert len(skipped) == 2 and str(root / "step_9") in skipped[0] and f"{shard.name} is 100 of" in skipped[0]
+    assert "update_state.pt" in skipped[1]
+    (root / "step_3" / "controller.json").write_text('{"step": 3')  # a torn controller state
+    assert checkpoints.resumable()[0] is None

@@ -19,3 +19,12 @@ def test_jsonl_records_resume_truncation_and_offline_wandb(tmp_path):
     resumed.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2] and records[2]["reward/mean"] == 0.75
+
+
+def test_a_record_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "reward/mean": 0.1}\n{"step": 1, "reward/mean": 0.2}\n{"step": 2, "rew')
+    resumed = MetricsLogger(tmp_path, LoggerConfig(progress=False), {}, total_steps=4, start_step=2)
+    resumed.log(2, {"reward/mean": 0.3})
+    resumed.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]

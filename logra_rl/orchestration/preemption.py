@@ -1,0 +1,65 @@
+"""SIGTERM and SIGINT as a request to stop: what SLURM, Kubernetes and Ctrl-C send before they kill a job.
+
+The first signal is only noted; the step loop looks at it at its safe points (a step's start, and after the
+step's generation, before anything trains) and stops there with a checkpoint of the step it reached. A second
+signal exits at once. No signal ever prints a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption:
+    """While entered (in the main thread), SIGTERM and SIGINT set `signal` instead of killing the process."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Preemption:
+        self.arm()
+        return self
+
+    def arm(self) -> None:
+        """Install the handlers (again: `ray.init` installs its own for SIGTERM, so call this after it)."""
+        if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+            return
+        for number in SIGNALS:
+            previous = signal.signal(number, self._handle)
+            self._previous.setdefault(number, previous)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by a signal: 128 + its number (SIGTERM 143, SIGINT 130)."""
+        return 128 + (self.signal or 0)
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            raise SystemExit(128 + number)  # the second signal: leave now (the run's teardown still runs)
+        self.signal = number
+        print(
+            f"\n[logra-train] {signal.Signals(number).name}: stopping at the next safe point with a checkpoint "
+            "(send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
