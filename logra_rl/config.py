@@ -67,9 +67,15 @@ class RolloutConfig:
     eval_top_p: float = 0.7
     eval_samples: int = 4  # k of pass@k
     gpu_memory_utilization: float = 0.6  # vllm only: share of the engine's GPU for weights + KV cache
+    max_restarts: int = 3  # engines that die or hang are restarted and resynced this many times in a run
+    call_timeout_s: float = 3600.0  # an engine that does not answer a call within this is restarted
 
     def __post_init__(self) -> None:
         check(self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use rollout=hf or rollout=vllm")
+        check(
+            self.max_restarts >= 0, "rollout.max_restarts", self.max_restarts, "must be >= 0 (0: stop on a lost engine)"
+        )
+        check_positive("rollout.call_timeout_s", self.call_timeout_s)
         check_fraction("rollout.gpu_memory_utilization", self.gpu_memory_utilization)
         for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
             check_positive_int(f"rollout.{key}", getattr(self, key))

@@ -78,7 +78,8 @@ def cpu_threads(group: PlacementGroup) -> list[int]:
 class WorkerGroup:
     """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles,
     built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
-    actors' methods and collect the results with `gather`."""
+    actors' methods and collect the results with `gather`. With `max_restarts`, Ray recreates an actor whose
+    process died in the same bundle, with the same arguments (up to that many times)."""
 
     def __init__(
         self,
@@ -88,6 +89,7 @@ class WorkerGroup:
         cpus: float,
         gpus: float,
         arguments: Callable[[int], Mapping[str, Any]],
+        max_restarts: int = 0,
     ) -> None:
         self.name = name
         self.placement_group = placement_group([{"CPU": cpus, "GPU": gpus}] * count, strategy="PACK", name=name)
@@ -105,6 +107,7 @@ class WorkerGroup:
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+                max_restarts=max_restarts,
                 runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i])}},
             ).remote(**arguments(i))
             for i in range(count)

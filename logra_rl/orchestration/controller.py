@@ -103,6 +103,7 @@ class Controller:
             self.policy_version = self.train.setup()
         with timer("startup_resync"):
             self.weight_sync = WeightSync(config, self.train, self.rollout, targets)
+            self.rollout.on_restart = lambda engines: self.weight_sync.full_resync(self.policy_version, engines)
             self._resume()
             self.weight_sync.full_resync(self.policy_version)
         # from the process's start (imports included) to the first step: logged with that step
@@ -213,6 +214,7 @@ class Controller:
             **sync_metrics,
             **timer.seconds,
             "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / timer.seconds["timing_s/step"],
+            "fault/engine_restarts": float(self.rollout.restarts),
         }
 
     def sampling(self) -> SamplingParams:

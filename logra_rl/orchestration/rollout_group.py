@@ -1,12 +1,23 @@
-"""RolloutGroup: the driver's typed client of the rollout engines (one Ray actor each)."""
+"""RolloutGroup: the driver's typed client of the rollout engines (one Ray actor each).
+
+Engines hold nothing the trainer cannot recreate, so a lost one is replaced, not fatal: an engine whose process
+dies, or that does not answer a call within `rollout.call_timeout_s`, is restarted by Ray in its own bundle
+(the actor's `max_restarts`), brought to the current policy by `on_restart` (the weight sync's full resync),
+and asked again: the same call with the same seeds, so the samples are the ones it would have returned.
+After `rollout.max_restarts` restarts in a run the next loss stops the run, naming the engine and the error.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from logra_rl.config import RunConfig
 from logra_rl.orchestration.cluster import WorkerGroup
@@ -24,9 +35,15 @@ def engine_class(backend: str) -> type[RolloutEngine]:
     return HFEngine
 
 
+class EngineFailure(RuntimeError):
+    """Engines were lost more often than `rollout.max_restarts` allows."""
+
+
 class RolloutGroup:
     def __init__(self, config: RunConfig, model_path: str) -> None:
         spec = EngineSpec.from_config(config, model_path)
+        self.max_restarts = config.rollout.max_restarts
+        self.timeout_s = config.rollout.call_timeout_s
         self.workers = WorkerGroup(
             engine_class(config.rollout.backend),
             config.rollout.num_engines,
@@ -34,8 +51,11 @@ class RolloutGroup:
             cpus=config.cluster.cpus_per_worker,
             gpus=config.rollout.gpus_per_engine,
             arguments=lambda _: {"spec": spec},
+            max_restarts=self.max_restarts,
         )
         self.engines = self.workers.actors
+        self.restarts = 0  # engines restarted in this run (fault/engine_restarts)
+        self.on_restart: Callable[[list[int]], None] | None = None  # brings restarted engines to the policy
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -44,21 +64,81 @@ class RolloutGroup:
         """Split the prompts over the engines (contiguous chunks, engine e seeded `seed + e`); completions
         come back in prompt order."""
         chunks = np.array_split(np.arange(len(prompts)), len(self.engines))
-        calls = [
-            engine.generate.remote([prompts[i] for i in chunk], params, seed + e)
-            for e, (engine, chunk) in enumerate(zip(self.engines, chunks, strict=True))
-            if len(chunk)  # fewer prompts than engines: the rest sit this one out
-        ]
-        return [c for part in self.workers.gather(calls) for c in part]
+        used = [e for e, chunk in enumerate(chunks) if len(chunk)]  # fewer prompts than engines: the rest sit out
+        results = self._each(
+            lambda e, engine: engine.generate.remote([prompts[i] for i in chunks[e]], params, seed + e), used
+        )
+        return [c for e in used for c in results[e]]
 
     def apply_payload(self, payload: ray.ObjectRef) -> list[SyncResult]:
-        return self.workers.gather([e.apply_payload.remote(payload) for e in self.engines])
+        results = self._each(lambda e, engine: engine.apply_payload.remote(payload), range(len(self)))
+        return [results[e] for e in range(len(self))]
 
-    def load_weights(self, state: ray.ObjectRef, version: int, bucket: int, buckets: int) -> list[SyncResult]:
-        return self.workers.gather([e.load_weights.remote(state, version, bucket, buckets) for e in self.engines])
+    def load_weights(
+        self, state: ray.ObjectRef, version: int, bucket: int, buckets: int, engines: Sequence[int] | None = None
+    ) -> dict[int, SyncResult]:
+        """One bucket of a full resync, to every engine or to `engines`; results by engine index."""
+        chosen = range(len(self)) if engines is None else engines
+        return self._each(lambda e, engine: engine.load_weights.remote(state, version, bucket, buckets), chosen)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        return self.workers.gather([e.weights_at.remote(coordinates) for e in self.engines])
+        results = self._each(lambda e, engine: engine.weights_at.remote(coordinates), range(len(self)))
+        return [results[e] for e in range(len(self))]
 
     def shutdown(self) -> None:
         self.workers.kill()
+
+    def _each(self, call: Callable[[int, ActorHandle], ray.ObjectRef], engines: Sequence[int]) -> dict[int, Any]:
+        """`call(e, engine)` for each engine index, results by index; lost engines are restarted, resynced and
+        called again (see the module docstring)."""
+        results: dict[int, Any] = {}
+        pending = list(engines)
+        while pending:
+            refs = {e: call(e, self.engines[e]) for e in pending}
+            lost = self._collect(refs, results)
+            if not lost:
+                break
+            self.restarts += len(lost)
+            reasons = "; ".join(f"engine {e}: {reason}" for e, reason in lost.items())
+            if self.restarts > self.max_restarts:
+                raise EngineFailure(
+                    f"rollout engine lost after {self.restarts - len(lost)} restarts (rollout.max_restarts="
+                    f"{self.max_restarts}): {reasons}"
+                )
+            print(f"[logra-train] {reasons}; restarted in its bundle, resyncing and asking again", flush=True)
+            for e in lost:
+                self._await_restart(e, reasons)
+            if self.on_restart is not None:
+                self.on_restart(sorted(lost))
+            pending = sorted(lost)
+        return results
+
+    def _await_restart(self, engine: int, reasons: str) -> None:
+        """Until Ray has the engine's new process up (its constructor run); calls to it fail meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                ray.get(self.engines[engine].__ray_ready__.remote(), timeout=self.timeout_s)
+                return
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"rollout engine {engine} did not come back: {reasons}") from None
+                time.sleep(0.2)
+            except ActorDiedError as error:  # Ray gave up on it (its own max_restarts)
+                raise EngineFailure(f"rollout engine {engine} could not be restarted: {reasons}") from error
+
+    def _collect(self, refs: dict[int, ray.ObjectRef], results: dict[int, Any]) -> dict[int, str]:
+        """Wait for `refs` (at most `call_timeout_s`), put the answers in `results`, and return the engines that
+        died or did not answer, with why (a hung engine is killed: Ray restarts it)."""
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        lost = {}
+        for e, ref in refs.items():
+            if ref not in ready:
+                ray.kill(self.engines[e], no_restart=False)
+                lost[e] = f"no answer within rollout.call_timeout_s={self.timeout_s:g}"
+                continue
+            try:
+                results[e] = ray.get(ref)
+            except RayActorError as error:  # the process died (any other error is the engine's own: raised)
+                lost[e] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return lost

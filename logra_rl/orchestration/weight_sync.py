@@ -39,19 +39,20 @@ class WeightSync:
         self.buckets = train.resync_buckets(int(config.rollout.resync_bucket_mb * 2**20))
         self.engine_versions = [-1] * len(rollout)  # -1: not loaded yet
 
-    def full_resync(self, version: int) -> float:
-        """Load bf16(master) (with exact residuals) into every engine; returns the bytes moved per engine.
+    def full_resync(self, version: int, engines: list[int] | None = None) -> float:
+        """Load bf16(master) (with exact residuals) into every engine (or `engines`: restarted ones); returns
+        the bytes moved per engine.
 
         The fp32 master streams in buckets (`rollout.resync_bucket_mb`): train rank 0 gathers one into
         Ray's object store, the engines read it from there; no process holds the whole fp32 model.
         """
-        results: list[SyncResult] = []
+        results: dict[int, SyncResult] = {}
         for index, bucket in enumerate(self.buckets):
             state = self.train.resync_bucket(bucket)
-            results = self.rollout.load_weights(state, version, index, len(self.buckets))
+            results = self.rollout.load_weights(state, version, index, len(self.buckets), engines)
             del state  # frees it in the object store before the next one is gathered
         self._record(results)
-        stale = [v for v in self.engine_versions if v != version]
+        stale = [self.engine_versions[e] for e in results if self.engine_versions[e] != version]
         if stale:
             raise RuntimeError(f"full resync left engines at versions {stale}, not {version}")
         return float(sum(bucket.nbytes for bucket in self.buckets))
@@ -66,7 +67,7 @@ class WeightSync:
             for payload in update.payloads:
                 payload_bytes += len(payload)
                 results = self.rollout.apply_payload(ray.put(payload))
-                self._record(results)
+                self._record(dict(enumerate(results)))
                 refused += sum(not r.applied for r in results)
                 if refused:
                     break
@@ -81,8 +82,9 @@ class WeightSync:
             "sync/weight_max_abs_diff": self.drift(step),
         }
 
-    def _record(self, results: list[SyncResult]) -> None:
-        self.engine_versions = [r.version for r in results]
+    def _record(self, results: dict[int, SyncResult]) -> None:
+        for engine, result in results.items():
+            self.engine_versions[engine] = result.version
 
     def _rounded(self, master: torch.Tensor) -> torch.Tensor:
         """The engine-dtype value an exact merge leaves for `master`, as float32."""
