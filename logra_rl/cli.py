@@ -167,10 +167,11 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError)
 
 def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
     """A configuration or data problem (also when raised inside a Ray worker) is one line; anything else a traceback."""
-    from logra_rl.orchestration.rollout_group import EngineFailure  # a fault the run could not heal: one line too
+    from logra_rl.orchestration.cluster import GroupLost  # faults the run could not heal: one line too
+    from logra_rl.orchestration.rollout_group import EngineFailure
 
     cause = getattr(error, "cause", None) if type(error).__name__.startswith("RayTaskError") else error
-    if isinstance(cause, (*USER_ERRORS, EngineFailure)) and not os.environ.get("LOGRA_TRACEBACK"):
+    if isinstance(cause, (*USER_ERRORS, EngineFailure, GroupLost)) and not os.environ.get("LOGRA_TRACEBACK"):
         sys.exit(f"{program}: {type(cause).__name__}: {cause}  (LOGRA_TRACEBACK=1 shows the traceback)")
     raise error
 

@@ -226,8 +226,12 @@ class TrainerConfig:
     run_name: str = "run"
     grader_workers: int = 2
     grader_timeout_s: float = 10.0
+    max_restarts: int = 3  # the train group is rebuilt from the last checkpoint this many times in a run
+    step_timeout_s: float = 3600.0  # a train step (or checkpoint) that takes longer counts as a hung group
 
     def __post_init__(self) -> None:
+        check(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0 (0: stop on a loss)")
+        check_positive("trainer.step_timeout_s", self.step_timeout_s)
         for key in ("total_steps", "prompts_per_step", "micro_batch_tokens", "keep_checkpoints", "grader_workers"):
             check_positive_int(f"trainer.{key}", getattr(self, key))
         for key in ("eval_every", "checkpoint_every"):

@@ -8,12 +8,14 @@ use the CPU device with gloo. So the scheduling code tested on CPU is the code a
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -75,6 +77,10 @@ def cpu_threads(group: PlacementGroup) -> list[int]:
     return [max(1, node_cpus.get(node, 1) // sharers[node]) for _, node in sorted(bundle_nodes.items())]
 
 
+class GroupLost(RuntimeError):
+    """A worker of a group died or the group stopped answering; the group has been killed."""
+
+
 class WorkerGroup:
     """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles,
     built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
@@ -116,17 +122,42 @@ class WorkerGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
-        """Results in order; the first failure kills the group, so ranks blocked in a collective never hang."""
+    def gather(self, refs: list[ray.ObjectRef], timeout_s: float | None = None) -> list[Any]:
+        """Results in order. The first failure, or no answer within `timeout_s`, kills the group, so ranks
+        blocked in a collective never hang; it raises GroupLost when a worker's process died or the group
+        hung (the caller may build the group again), else the worker's own error."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if not done:
+                self.kill()
+                raise GroupLost(f"the {self.name} group did not answer within {timeout_s:g} s")
             try:
                 ray.get(done[0])
-            except Exception:
+            except Exception as error:
+                dead = self._dead()  # before the kill, which ends them all
                 self.kill()
+                if dead or isinstance(error, RayActorError):
+                    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+                    raise GroupLost(f"{self.name} worker(s) {dead} died: {first}") from error
                 raise
         return ray.get(refs)
+
+    def _dead(self, wait_s: float = 5.0) -> list[int]:
+        """The actors whose process is gone: a ping fails at once for them, and queues behind a blocked call
+        for the living."""
+        pings = [actor.__ray_ready__.remote() for actor in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+        dead = []
+        for index, ping in enumerate(pings):
+            if ping in ready:
+                try:
+                    ray.get(ping)
+                except RayActorError:
+                    dead.append(index)
+        return dead
 
     def kill(self) -> None:
         """Stop the actors (without waiting for them) and release their bundles."""

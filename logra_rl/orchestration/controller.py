@@ -32,7 +32,7 @@ from logra_rl.config import RunConfig
 from logra_rl.data import PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import resolve_model_path, target_shapes
-from logra_rl.orchestration.cluster import start_ray
+from logra_rl.orchestration.cluster import GroupLost, start_ray
 from logra_rl.orchestration.memory_plan import GIB, check_memory
 from logra_rl.orchestration.preemption import Preemption
 from logra_rl.orchestration.rollout_group import RolloutGroup
@@ -70,6 +70,7 @@ class Controller:
         )
         self.policy_version = 0  # the train group's, as of its last answer
         self.start_step = 0
+        self.train_restarts = 0  # train groups rebuilt after a lost worker (fault/train_restarts)
         self._resources = contextlib.ExitStack()  # what setup started, stopped in reverse by teardown
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -79,8 +80,8 @@ class Controller:
         config, stack, timer = self.config, self._resources, Timer()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with timer("startup_model"):
-            model_path = resolve_model_path(config, self.run_dir)
-            targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
+            self.model_path = model_path = resolve_model_path(config, self.run_dir)
+            self.targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
         with ThreadPoolExecutor(1) as pool:  # the prompts are read and tokenised while Ray starts
             loading = pool.submit(load_workload, config.data, model_path)
             with timer("startup_ray"):
@@ -94,7 +95,7 @@ class Controller:
             plan = check_memory(config, model_path, Console(highlight=False), self.workload.longest_prompt)
         with timer("startup_workers"):  # the engines load their weights while the train group loads its own
             self.train = TrainGroup(config, model_path)
-            stack.callback(self.train.shutdown)
+            stack.callback(lambda: self.train.shutdown())  # whichever group is current then
             self.rollout = RolloutGroup(config, model_path)
             stack.callback(self.rollout.shutdown)
             rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
@@ -102,9 +103,10 @@ class Controller:
             self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, self.run_dir)
             self.policy_version = self.train.setup()
         with timer("startup_resync"):
-            self.weight_sync = WeightSync(config, self.train, self.rollout, targets)
+            self.weight_sync = WeightSync(config, self.train, self.rollout, self.targets)
             self.rollout.on_restart = lambda engines: self.weight_sync.full_resync(self.policy_version, engines)
-            self._resume()
+            self.resumed_from = self._resume()
+            self.first_state = self.driver_state(self.start_step)  # where a lost group restarts without checkpoints
             self.weight_sync.full_resync(self.policy_version)
         # from the process's start (imports included) to the first step: logged with that step
         self.startup = {
@@ -116,7 +118,7 @@ class Controller:
             self.run_dir, config.logger, self.resolved_config, config.trainer.total_steps, self.start_step
         )
 
-    def _resume(self) -> None:
+    def _resume(self) -> Path | None:
         resume = self.config.trainer.resume
         path = None
         if resume == "auto":
@@ -131,13 +133,14 @@ class Controller:
             if problem:
                 raise ValueError(f"trainer.resume={resume}: the checkpoint is damaged ({problem})")
         if path is None:
-            return
+            return None
         state = read_controller_state(path)
         self.policy_version = self.train.load(str(path))
         self.start_step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.baseline.load_state_dict(state["baseline"])
         print(f"[logra-train] resumed from {path} at step {self.start_step}")
+        return path
 
     # ---- the step loop --------------------------------------------------------------------------
 
@@ -147,27 +150,61 @@ class Controller:
         with self.preemption:
             try:
                 self.setup()
-                trainer = self.config.trainer
-                for step in range(self.start_step, trainer.total_steps):
-                    before = self.driver_state(step)
-                    if self.preemption.requested:
-                        self.stop(before)
-                    metrics = dict(self.startup) if step == self.start_step else {}
-                    if trainer.eval_every and step % trainer.eval_every == 0:
-                        metrics.update(self.evaluator.evaluate(step))
+                trainer, step = self.config.trainer, self.start_step
+                while step < trainer.total_steps:
                     try:
-                        metrics.update(self.step(step))
-                    except StepAbandoned:
-                        self.stop(before)
-                    self.metrics.log(step, metrics)
-                    if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
-                        self.save_checkpoint(self.driver_state(step + 1))
+                        self.run_step(step)
+                        step += 1
+                    except GroupLost as lost:  # a train worker died or hung: rebuild, replay from a checkpoint
+                        step = self.rebuild_train_group(lost)
                 if trainer.eval_every and self.start_step < trainer.total_steps:
                     self.metrics.log(trainer.total_steps, self.evaluator.evaluate(trainer.total_steps))
                 self.finish()
                 return self.metrics.history
             finally:
                 self.teardown()
+
+    def run_step(self, step: int) -> None:
+        """One step as the loop runs it: its eval (every E steps), the step, its record, its checkpoint (every
+        C steps); a signal stops it at the step's start or after its generation."""
+        trainer = self.config.trainer
+        before = self.driver_state(step)
+        if self.preemption.requested:
+            self.stop(before)
+        metrics = dict(self.startup) if step == self.start_step else {}
+        if trainer.eval_every and step % trainer.eval_every == 0:
+            metrics.update(self.evaluator.evaluate(step))
+        try:
+            metrics.update(self.step(step))
+        except StepAbandoned:
+            self.stop(before)
+        self.metrics.log(step, metrics)
+        if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
+            self.save_checkpoint(self.driver_state(step + 1))
+
+    def rebuild_train_group(self, lost: GroupLost) -> int:
+        """A new train group in place of a lost one, restored from the newest checkpoint (or the run's start),
+        the engines resynced to it and the records after it dropped; returns the step to run next. The replay
+        is the run it replaces: seeds depend on the step, and the checkpoint holds the weights, the update
+        rule, the sampler and the baseline."""
+        self.train_restarts += 1
+        limit = self.config.trainer.max_restarts
+        if self.train_restarts > limit:
+            raise GroupLost(f"{lost} (the train group was rebuilt {limit} times: trainer.max_restarts={limit})")
+        path = self.checkpoints.resumable()[0] or self.resumed_from
+        print(f"[logra-train] {lost}; rebuilding the train group from {path or 'the run start'}", flush=True)
+        self.train = TrainGroup(self.config, self.model_path)
+        self.policy_version = self.train.setup()
+        state = self.first_state
+        if path is not None:
+            state = read_controller_state(path)
+            self.policy_version = self.train.load(str(path))
+        self.sampler.load_state_dict(state["sampler"])
+        self.baseline.load_state_dict(state["baseline"])
+        self.weight_sync = WeightSync(self.config, self.train, self.rollout, self.targets)
+        self.weight_sync.full_resync(self.policy_version)
+        self.metrics.drop_after(state["step"])
+        return state["step"]
 
     def stop(self, state: dict[str, Any]) -> NoReturn:
         """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit with the
@@ -215,6 +252,7 @@ class Controller:
             **timer.seconds,
             "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / timer.seconds["timing_s/step"],
             "fault/engine_restarts": float(self.rollout.restarts),
+            "fault/train_restarts": float(self.train_restarts),
         }
 
     def sampling(self) -> SamplingParams:

@@ -2,7 +2,9 @@
 
 Every method is one round trip that runs on all ranks in lock-step (each is a collective inside the
 group). Rank 0 speaks for the group: the ranks all-reduce what they share, so rank 0's answer is the
-group's; only it serialises payloads and gathers resync buckets.
+group's; only it serialises payloads and gathers resync buckets. A rank that dies, or a step that takes
+longer than `trainer.step_timeout_s` (a hung collective), kills the whole group and raises `GroupLost`:
+the controller then builds a new group from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class TrainGroup:
             arguments=lambda rank: {"config": config, "model_path": model_path, "rank": rank, "world_size": size},
         )
         self.actors = self.workers.actors
+        self.step_timeout_s = config.trainer.step_timeout_s
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -47,7 +50,7 @@ class TrainGroup:
         calls = [
             a.train_step.remote(batch.rows(torch.as_tensor(s)), step) for a, s in zip(self.actors, shards, strict=True)
         ]
-        results = self.workers.gather(calls)
+        results = self.workers.gather(calls, timeout_s=self.step_timeout_s)
         versions = {r.policy_version for r in results}
         if len(versions) != 1:
             raise RuntimeError(f"train ranks disagree on the policy version after step {step}: {sorted(versions)}")
@@ -68,7 +71,7 @@ class TrainGroup:
         return self._leader([a.full_state.remote(None if keys is None else tuple(keys)) for a in self.actors])
 
     def save(self, directory: str) -> None:
-        self.workers.gather([a.save.remote(directory) for a in self.actors])
+        self.workers.gather([a.save.remote(directory) for a in self.actors], timeout_s=self.step_timeout_s)
 
     def load(self, directory: str) -> int:
         """Restore a checkpoint; returns its policy version."""

@@ -72,6 +72,11 @@ class MetricsLogger:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, figures="")
             self._progress.start()
 
+    def drop_after(self, step: int) -> None:
+        """Forget the records of `step` and after (a run that goes back to a checkpoint replays them)."""
+        self._truncate_after(step)
+        self.history = [record for record in self.history if record["step"] < step]
+
     def _truncate_after(self, step: int) -> None:
         """Keep only records of steps before `step`: a resumed run rewrites what came after its checkpoint."""
         if not self.path.exists():
