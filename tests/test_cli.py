@@ -5,15 +5,14 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-LOGRA_TRAIN = str(Path(sys.executable).parent / "logra-train")
-VOLATILE = ("timing_s/", "perf/", "memory/")  # wall-clock and process-size metrics differ between runs
+from tests.runs import LOGRA_TRAIN, launch, stable, wait_for_records
+from tests.runs import records as metrics
 
 
 def logra_train(*args, cwd, timeout=300):
@@ -28,14 +27,6 @@ def logra_eval(*args, cwd, timeout=300):
         text=True,
         timeout=timeout,
     )
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def stable(record):
-    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
 
 
 @pytest.mark.parametrize(
@@ -194,19 +185,8 @@ def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_t
     straight = metrics(tmp_path / "outputs/quickstart/straight")
 
     run_dir = tmp_path / "outputs/quickstart/signalled"
-    process = subprocess.Popen(
-        [LOGRA_TRAIN, *common, "trainer.run_name=signalled"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.time() + 240
-    while time.time() < deadline and process.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
+    process = launch([*common, "trainer.run_name=signalled"], tmp_path)
+    wait_for_records(process, run_dir, 2)
     signalled = time.perf_counter()
     process.send_signal(signal.SIGTERM)  # the driver alone, as Kubernetes signals a container's first process
     _, stderr = process.communicate(timeout=120)
@@ -229,18 +209,8 @@ def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_t
 
 def test_a_second_interrupt_exits_at_once_without_a_traceback(tmp_path, quickstart_model):
     common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.total_steps=1000"]
-    process = subprocess.Popen(
-        [LOGRA_TRAIN, *common, "trainer.run_name=twice", "logger.progress=false"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    metrics_file = tmp_path / "outputs/quickstart/twice/metrics.jsonl"
-    deadline = time.time() + 240
-    while not metrics_file.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    process = launch([*common, "trainer.run_name=twice", "logger.progress=false"], tmp_path)
+    wait_for_records(process, tmp_path / "outputs/quickstart/twice", 1)
     process.send_signal(signal.SIGINT)
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)
