@@ -103,7 +103,8 @@ def resume_command(arguments: list[str], run_name: str) -> str:
     timestamped default would name a new run)."""
     import shlex
 
-    kept = [a for a in arguments if not a.startswith(("hydra.job.name=", "trainer.run_name="))]
+    # trainer.resume=never or =<checkpoint> would start again or go back: the default (auto) continues
+    kept = [a for a in arguments if not a.startswith(("hydra.job.name=", "trainer.run_name=", "trainer.resume="))]
     return shlex.join(["logra-train", *kept, f"trainer.run_name={run_name}"])
 
 
@@ -168,10 +169,12 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, OSError)
 def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
     """A configuration or data problem (also when raised inside a Ray worker) is one line; anything else a traceback."""
     from logra_rl.orchestration.cluster import GroupLost  # faults the run could not heal: one line too
+    from logra_rl.orchestration.controller import TrainFailure
     from logra_rl.orchestration.rollout_group import EngineFailure
 
     cause = getattr(error, "cause", None) if type(error).__name__.startswith("RayTaskError") else error
-    if isinstance(cause, (*USER_ERRORS, EngineFailure, GroupLost)) and not os.environ.get("LOGRA_TRACEBACK"):
+    faults = (EngineFailure, GroupLost, TrainFailure)
+    if isinstance(cause, (*USER_ERRORS, *faults)) and not os.environ.get("LOGRA_TRACEBACK"):
         sys.exit(f"{program}: {type(cause).__name__}: {cause}  (LOGRA_TRACEBACK=1 shows the traceback)")
     raise error
 

@@ -33,7 +33,7 @@ from logra_rl.data import PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import GroupLost, start_ray
-from logra_rl.orchestration.memory_plan import GIB, check_memory
+from logra_rl.orchestration.memory_plan import GIB, check_memory, machine_of
 from logra_rl.orchestration.preemption import Preemption
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
@@ -44,11 +44,15 @@ from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.train.api import NoChange, StepResult
 from logra_rl.train.batch import pack_batch
-from logra_rl.utils.checkpoint import Checkpoints, read_controller_state, verify
+from logra_rl.utils.checkpoint import Checkpoints, first_verified, read_controller_state, verify
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
 from logra_rl.utils.seeding import ROLLOUT_STREAM, stream_seed
 from logra_rl.utils.timing import Timer
+
+
+class TrainFailure(RuntimeError):
+    """The train group was lost more often than `trainer.max_restarts` allows."""
 
 
 class StepAbandoned(Exception):
@@ -71,6 +75,7 @@ class Controller:
         self.policy_version = 0  # the train group's, as of its last answer
         self.start_step = 0
         self.train_restarts = 0  # train groups rebuilt after a lost worker (fault/train_restarts)
+        self.committed: list[Path] = []  # checkpoints this run wrote, oldest first
         self._resources = contextlib.ExitStack()  # what setup started, stopped in reverse by teardown
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -79,6 +84,7 @@ class Controller:
         """Data, Ray, the train group, the engines and the reward pool; resume; the first full resync."""
         config, stack, timer = self.config, self._resources, Timer()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        machine = machine_of(config)  # before Ray and the data take their share: the plan counts them
         with timer("startup_model"):
             self.model_path = model_path = resolve_model_path(config, self.run_dir)
             self.targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
@@ -92,7 +98,7 @@ class Controller:
                 self.workload = loading.result()
         self.sampler = PromptSampler(self.workload.train, config.data.seed)
         with timer("startup_plan"):  # stops here, in seconds, when the run cannot fit
-            plan = check_memory(config, model_path, Console(highlight=False), self.workload.longest_prompt)
+            plan = check_memory(config, model_path, Console(highlight=False), self.workload.longest_prompt, machine)
         with timer("startup_workers"):  # the engines load their weights while the train group loads its own
             self.train = TrainGroup(config, model_path)
             stack.callback(lambda: self.train.shutdown())  # whichever group is current then
@@ -156,7 +162,7 @@ class Controller:
                         self.run_step(step)
                         step += 1
                     except GroupLost as lost:  # a train worker died or hung: rebuild, replay from a checkpoint
-                        step = self.rebuild_train_group(lost)
+                        step = self.recover(lost)
                 if trainer.eval_every and self.start_step < trainer.total_steps:
                     self.metrics.log(trainer.total_steps, self.evaluator.evaluate(trainer.total_steps))
                 self.finish()
@@ -174,6 +180,8 @@ class Controller:
         metrics = dict(self.startup) if step == self.start_step else {}
         if trainer.eval_every and step % trainer.eval_every == 0:
             metrics.update(self.evaluator.evaluate(step))
+            if self.preemption.requested:  # the eval changed nothing: stop before the step
+                self.stop(before)
         try:
             metrics.update(self.step(step))
         except StepAbandoned:
@@ -181,6 +189,14 @@ class Controller:
         self.metrics.log(step, metrics)
         if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
             self.save_checkpoint(self.driver_state(step + 1))
+
+    def recover(self, lost: GroupLost) -> int:
+        """`rebuild_train_group`, again while the new group is lost too (within trainer.max_restarts)."""
+        while True:
+            try:
+                return self.rebuild_train_group(lost)
+            except GroupLost as again:
+                lost = again
 
     def rebuild_train_group(self, lost: GroupLost) -> int:
         """A new train group in place of a lost one, restored from the newest checkpoint (or the run's start),
@@ -190,8 +206,12 @@ class Controller:
         self.train_restarts += 1
         limit = self.config.trainer.max_restarts
         if self.train_restarts > limit:
-            raise GroupLost(f"{lost} (the train group was rebuilt {limit} times: trainer.max_restarts={limit})")
-        path = self.checkpoints.resumable()[0] or self.resumed_from
+            raise TrainFailure(f"{lost} (the train group was rebuilt {limit} times: trainer.max_restarts={limit})")
+        # this run's own checkpoints, newest first, then the one it resumed from: never another run's
+        line = [p for p in [*reversed(self.committed), self.resumed_from] if p is not None and p.exists()]
+        path, skipped = first_verified(line)
+        for note in skipped:
+            print(f"[logra-train] {note}", flush=True)
         print(f"[logra-train] {lost}; rebuilding the train group from {path or 'the run start'}", flush=True)
         self.train = TrainGroup(self.config, self.model_path)
         self.policy_version = self.train.setup()
@@ -295,7 +315,9 @@ class Controller:
         together."""
         path = self.checkpoints.begin(state["step"])
         self.train.save(str(path))
-        return self.checkpoints.commit(state["step"], state)
+        path = self.checkpoints.commit(state["step"], state)
+        self.committed.append(path)
+        return path
 
     def finish(self) -> None:
         self.metrics.close()

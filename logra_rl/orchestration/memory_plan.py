@@ -28,8 +28,8 @@ from logra_rl.orchestration.cluster import MIN_OBJECT_STORE_MB
 from logra_rl.rl.logprobs import logprob_chunk
 
 GIB = 2**30
-RESIDENT, TRAINING, GENERATING, SYNCING = "resident", "training", "generating", "syncing"
-PHASES = (TRAINING, GENERATING, SYNCING)
+RESIDENT, LOADING, TRAINING, GENERATING, SYNCING = "resident", "loading", "training", "generating", "syncing"
+PHASES = (LOADING, TRAINING, GENERATING, SYNCING)
 
 # Private memory of each process's libraries and interpreter, measured on CPU (torch 2.13, transformers 5):
 # a train worker (torch, transformers, peft, Ray's core worker, gloo), an HF engine, a vLLM-CPU engine, the
@@ -169,10 +169,13 @@ def compute_dtype(config: RunConfig, cuda: bool) -> str:
 def plan_memory(config: RunConfig, model_path: str, machine: Machine, prompt_tokens: int | None = None) -> MemoryPlan:
     """The plan of `config` on `machine` for the model at `model_path` (only its config is read), for prompts
     of at most `prompt_tokens` (the data's longest; None: `data.max_prompt_length`)."""
-    footprint = model_footprint(model_path, config.logra.target_modules, compute_dtype(config, machine.cuda))
+    dtype = compute_dtype(config, machine.cuda)
+    footprint = model_footprint(model_path, config.logra.target_modules, dtype)
+    lora = config.optimizer.name == "lora"  # its adapters sit on optimizer.lora_targets
+    trained = model_footprint(model_path, config.optimizer.lora_targets, dtype) if lora else footprint
     prompt = min(prompt_tokens or config.data.max_prompt_length, config.data.max_prompt_length)
     lengths = Lengths(prompt, prompt + config.data.max_response_length)
-    train = _train_ranks(config, footprint, lengths, machine.cuda)
+    train = _train_ranks(config, trained, lengths, machine.cuda)
     engines, notes = _engines(config, footprint, lengths, machine)
     driver = _driver(config, footprint)
     processes = (*train, engines, driver)
@@ -205,7 +208,7 @@ def _train_ranks(config: RunConfig, model: ModelFootprint, lengths: Lengths, cud
     elif optimizer == "dense":
         parts += [Part("Adam moments", 8 * model.params / ranks)]
         parts += [Part("gradients", 4 * model.params / ranks + 2 * 4 * model.layer_params, TRAINING)]
-    else:
+    else:  # `model`'s targets are LoRA's here (plan_memory)
         adapters = sum(config.optimizer.lora_rank * (d_out + k_in) for d_out, k_in in model.targets)
         parts += [Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING)]
     # FSDP2 gathers a layer group into a flat buffer, then copies it out into the unsharded parameters: the
@@ -220,14 +223,17 @@ def _train_ranks(config: RunConfig, model: ModelFootprint, lengths: Lengths, cud
     parts += [Part("KL probe", _probe(config, model, lengths.sequence, c), TRAINING)]
     transients = sum(p.nbytes for p in parts if p.phase == TRAINING)
     parts += [Part("allocator slack", (SLACK - 1) * transients, TRAINING)]
-    # (rank 0 reads the checkpoint in its own dtype, memory-mapped: page cache, which the kernel reclaims)
     if cuda:
         parts += [Part("CUDA context", CUDA_CONTEXT_GIB * GIB), Part("runtime", CUDA_HOST_GIB * GIB, on_host=True)]
         device = "each train GPU"
     else:
         parts += [Part("runtime", RUNTIME_GIB["train"] * GIB)]
         device = "host"
-    first = ProcessPlan("train rank 0", 1, device, tuple(parts))
+    # rank 0 reads the whole checkpoint as fp32 into host memory while its shards exist, then broadcasts it;
+    # an fp32 checkpoint is memory-mapped (page cache, which the kernel reclaims), any other is converted
+    loaded = 0 if model.checkpoint_bytes == 4 else 4 * model.params
+    loading = Part("checkpoint copy", loaded, LOADING, on_host=cuda)
+    first = ProcessPlan("train rank 0", 1, device, (*parts, loading))
     return (first, ProcessPlan("train rank", ranks - 1, device, tuple(parts))) if ranks > 1 else (first,)
 
 
@@ -288,7 +294,8 @@ def _engines(
     """One rollout engine: its weights, merge residual, KV cache and generation transients."""
     rollout = config.rollout
     dtype = torch.finfo(getattr(torch, rollout.dtype)).bits // 8
-    residual = 0 if rollout.dtype == "float32" else RESIDUAL_BYTES[rollout.residual]
+    # the tail is an fp32 master's low bits: fp32 weights need none (the other residuals are allocated as asked)
+    residual = 0 if rollout.dtype == "float32" and rollout.residual == "tail" else RESIDUAL_BYTES[rollout.residual]
     if config.optimizer.name != "logra":
         residual = 0  # dense and LoRA updates reach the engines as full resyncs: no merge, no residual
     tp = rollout.gpus_per_engine
@@ -361,8 +368,8 @@ def _driver(config: RunConfig, model: ModelFootprint) -> ProcessPlan:
         Part("Ray processes", RUNTIME_GIB["ray"] * GIB),
         Part("graders", config.trainer.grader_workers * RUNTIME_GIB["grader"] * GIB),
     ]
-    if config.optimizer.name == "logra":  # a payload from rank 0, on its way to the engines
-        payload = 2 * config.logra.rank * model.target_rows * (2 if config.logra.wire_dtype == "bfloat16" else 4)
+    if config.optimizer.name == "logra":  # a payload from rank 0, received and deserialised on its way
+        payload = config.logra.rank * model.target_rows * (2 if config.logra.wire_dtype == "bfloat16" else 4)
         parts.append(Part("payloads", 2 * payload, SYNCING))
     if not config.ray.address:
         store = config.ray.object_store_mb or max(MIN_OBJECT_STORE_MB, 3 * config.rollout.resync_bucket_mb)
@@ -450,10 +457,17 @@ def plan_table(plan: MemoryPlan, machine: Machine) -> Table:
     return table
 
 
-def check_memory(config: RunConfig, model_path: str, console: Console, prompt_tokens: int | None = None) -> MemoryPlan:
-    """Plan the run on this machine (or the configured one), print the plan, and raise MemoryPlanError when it
-    does not fit, unless `cluster.memory_check` is off (then say so and go on)."""
-    machine = machine_of(config)
+def check_memory(
+    config: RunConfig,
+    model_path: str,
+    console: Console,
+    prompt_tokens: int | None = None,
+    machine: Machine | None = None,
+) -> MemoryPlan:
+    """Plan the run on `machine` (default: this one now, or the configured one), print the plan, and raise
+    MemoryPlanError when it does not fit, unless `cluster.memory_check` is off (then say so and go on).
+    Measure the machine before the run starts anything: the plan counts the driver and Ray itself."""
+    machine = machine or machine_of(config)
     plan = plan_memory(config, model_path, machine, prompt_tokens)
     console.print(plan_table(plan, machine))
     problem = memory_problem(plan, config, model_path, machine, prompt_tokens)

@@ -7,6 +7,7 @@ signal exits at once. No signal ever prints a traceback.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -57,9 +58,8 @@ class Preemption:
         if self.signal is not None:
             raise SystemExit(128 + number)  # the second signal: leave now (the run's teardown still runs)
         self.signal = number
-        print(
+        message = (
             f"\n[logra-train] {signal.Signals(number).name}: stopping at the next safe point with a checkpoint "
-            "(send it again to exit at once)",
-            file=sys.stderr,
-            flush=True,
+            "(send it again to exit at once)\n"
         )
+        os.write(sys.stderr.fileno(), message.encode())  # not print: the main thread may be inside a write

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from logra_rl.config import RunConfig
 from logra_rl.orchestration.cluster import WorkerGroup
@@ -124,6 +124,11 @@ class RolloutGroup:
                 if time.monotonic() > deadline:
                     raise EngineFailure(f"rollout engine {engine} did not come back: {reasons}") from None
                 time.sleep(0.2)
+            except GetTimeoutError:
+                raise EngineFailure(
+                    f"rollout engine {engine} was not up again within rollout.call_timeout_s={self.timeout_s:g}: "
+                    f"{reasons}"
+                ) from None
             except ActorDiedError as error:  # Ray gave up on it (its own max_restarts)
                 raise EngineFailure(f"rollout engine {engine} could not be restarted: {reasons}") from error
 

@@ -98,8 +98,8 @@ class TrainWorker:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         loaded = None
-        if self.rank == 0:  # in the checkpoint's own dtype (bf16: half an fp32 copy); the shards upcast exactly
-            loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path, dtype="auto")
+        if self.rank == 0:
+            loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
         with torch.device("meta"):
             model = self._build(AutoModelForCausalLM.from_config, AutoConfig.from_pretrained(self.model_path))
         self.lora = lora_layers(model)  # empty unless the rule added adapters
@@ -117,26 +117,23 @@ class TrainWorker:
         self.model.train()
         return self.rule.version
 
-    def _build(
-        self,
-        constructor: Callable[..., torch.nn.Module],
-        source: str | PretrainedConfig,
-        dtype: torch.dtype | str = torch.float32,
-    ) -> torch.nn.Module:
-        """The model as trained (fp32 unless told): checkpointing, then what the update rule trains (LoRA:
-        adapters)."""
+    def _build(self, constructor: Callable[..., torch.nn.Module], source: str | PretrainedConfig) -> torch.nn.Module:
+        """The fp32 model as trained: checkpointing, then what the update rule trains (LoRA: adapters).
+
+        fp32 also on rank 0, which reads the checkpoint: what the model computes at construction (LoRA
+        adapters' initial values, buffers such as Gemma's embedding scale) is drawn in the dtype it is built
+        in, and the other ranks receive it by broadcast."""
         model_config = self.config.model
-        model = constructor(source, dtype=dtype, attn_implementation=model_config.attn_implementation)
+        model = constructor(source, dtype=torch.float32, attn_implementation=model_config.attn_implementation)
         if model_config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return self.rule_class.prepare_model(model, self.config)
 
     def _receive_weights(self, loaded: torch.nn.Module | None) -> None:
-        """Fill the empty fp32 shards from rank 0's full model (`loaded`; None on the other ranks).
+        """Fill the empty shards from rank 0's full model (`loaded`; None on the other ranks).
 
-        Only rank 0 reads the checkpoint, in its own dtype, so host memory holds one full copy per node
-        instead of one fp32 copy per rank (27B in bf16: 54 GB instead of 432 GB on 4 ranks); the others
-        build on the meta device. Each tensor travels in the checkpoint's dtype and is upcast into the shards.
+        Only rank 0 reads the checkpoint, so host memory holds one full fp32 copy per node instead of
+        one per rank (27B: 108 GB instead of 432 GB on 4 ranks); the others build on the meta device.
         Buffers (rotary frequencies, which are not in the state dict) are broadcast too.
         """
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

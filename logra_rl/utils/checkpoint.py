@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,22 +95,41 @@ class Checkpoints:
         return path if path.is_dir() else None
 
     def resumable(self) -> tuple[Path | None, list[str]]:
-        """The newest complete checkpoint that verifies, and a line for each newer one that does not."""
-        skipped = []
-        for path in reversed(self._complete()):
-            problem = verify(path)
-            if problem is None:
-                return path, skipped
-            skipped.append(f"checkpoint {path} is damaged ({problem}); skipped")
-        return None, skipped
+        """The checkpoint `latest` names if it verifies, else the newest earlier one that does (in commit
+        order: a directory reused with `trainer.resume=never` may hold an older run's higher steps); and a
+        line for each one skipped as damaged."""
+        latest = self.latest()
+        if latest is None:
+            return None, []
+        complete = self._complete()
+        line = complete[: complete.index(latest) + 1] if latest in complete else [latest]
+        return first_verified(reversed(line))
 
     def _complete(self) -> list[Path]:
+        """Committed checkpoints, oldest commit first (the controller state is written last)."""
         steps = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
-        return sorted(steps, key=lambda p: int(p.name.split("_")[1]))
+        return sorted(
+            steps,
+            key=lambda p: (
+                (p / "controller.json").stat().st_mtime_ns if (p / "controller.json").exists() else 0,
+                p.name,
+            ),
+        )
 
 
 def read_controller_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "controller.json").read_text())
+
+
+def first_verified(paths: Iterable[Path]) -> tuple[Path | None, list[str]]:
+    """The first of `paths` that verifies, and a line for each one before it that does not."""
+    skipped = []
+    for path in paths:
+        problem = verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path} is damaged ({problem}); skipped")
+    return None, skipped
 
 
 def verify(path: Path) -> str | None:
@@ -127,8 +146,8 @@ def verify(path: Path) -> str | None:
         if missing:
             return f"controller.json lacks {sorted(missing)}"
         torch.load(path / UPDATE_STATE, weights_only=True)
-    except (OSError, ValueError, RuntimeError, EOFError) as error:
-        return f"{type(error).__name__}: {error}"
+    except Exception as error:  # whatever a torn or foreign file raises (unpickling, JSON, types)
+        return f"{type(error).__name__}: {str(error)[:200]}"
     if not (path / "model").is_dir():
         return "no model directory"
     for name in SHARDED:
