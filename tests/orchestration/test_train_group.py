@@ -1,27 +1,39 @@
-"""A train worker killed mid-run: the group is rebuilt from the last checkpoint and the steps after it replayed;
-the run ends with the uninterrupted run's records, each step once."""
+"""A train worker killed or hung mid-run: the group is rebuilt from the last checkpoint and the steps after it
+replayed; the run ends with the uninterrupted run's records, each step once."""
 
 import os
 import signal
 
-from tests.runs import actor_processes, launch, records, run_to_the_end, short_job, stable, wait_for_records
+import pytest
+
+from tests.runs import actor_processes, launch, records, short_job, stable, wait_for_records
 
 
-def test_a_killed_train_worker_is_replaced_and_the_run_replayed_from_its_checkpoint(tmp_path, quickstart_model):
-    common = short_job(quickstart_model, checkpoint_every=3)
-    straight = run_to_the_end(common, tmp_path, "straight")
-
-    run_dir = tmp_path / "outputs/quickstart/killed"
-    process = launch([*common, "trainer.run_name=killed"], tmp_path)
+@pytest.mark.parametrize(
+    ("fault", "overrides", "said"),
+    [
+        (signal.SIGKILL, [], "worker(s) [1] died"),  # the process dies (the OOM killer, a crashed GPU)
+        # the process stops answering: its peer waits in a collective until trainer.step_timeout_s
+        (signal.SIGSTOP, ["trainer.step_timeout_s=20"], "did not answer within 20 s"),
+    ],
+    ids=["killed", "hung"],
+)
+def test_a_lost_train_worker_is_replaced_and_the_run_replayed_from_its_checkpoint(
+    tmp_path, quickstart_model, uninterrupted, fault, overrides, said
+):
+    run_dir = tmp_path / "outputs/quickstart/faulty"
+    args = [*short_job(quickstart_model, checkpoint_every=3), *overrides, "trainer.run_name=faulty"]
+    process = launch(args, tmp_path)
     wait_for_records(process, run_dir, 5)  # past the step-3 checkpoint
     workers = actor_processes(process, "TrainWorker")
     assert len(workers) == 2
-    os.kill(workers[1].pid, signal.SIGKILL)
+    os.kill(workers[1].pid, fault)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     assert "rebuilding the train group from" in stdout and "checkpoints/step_" in stdout
+    assert said in stdout
 
-    killed = records(run_dir)
-    assert [r["step"] for r in killed] == list(range(9))  # each step once: the replayed ones replaced
-    assert killed[-2]["fault/train_restarts"] == 1
-    assert [stable(r) for r in killed] == [stable(r) for r in straight]
+    faulty = records(run_dir)
+    assert [r["step"] for r in faulty] == list(range(9))  # each step once: the replayed ones replaced
+    assert faulty[-2]["fault/train_restarts"] == 1
+    assert [stable(r) for r in faulty] == [stable(r) for r in uninterrupted]
