@@ -118,15 +118,14 @@ def test_check_memory_refuses_or_warns_as_configured(model_dir, capsys):
     assert not plan.fits and "Running anyway: cluster.memory_check=false" in capsys.readouterr().out
 
 
+def run_program(program: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / program), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
 def test_a_run_that_cannot_fit_stops_in_seconds_with_one_line(tmp_path):
     start = time.perf_counter()
-    result = subprocess.run(
-        [str(BIN / "logra-train"), "optimizer=dense", "cluster.host_memory_gib=1", "trainer.run_name=nofit"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ["optimizer=dense", "cluster.host_memory_gib=1", "trainer.run_name=nofit"]
+    result = run_program("logra-train", args, tmp_path)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("logra-train: MemoryPlanError: memory plan: host needs"), result.stderr[-2000:]
@@ -137,22 +136,10 @@ def test_a_run_that_cannot_fit_stops_in_seconds_with_one_line(tmp_path):
 
 
 def test_logra_plan_prints_the_plan_and_starts_nothing(tmp_path):
-    result = subprocess.run(
-        [str(BIN / "logra-plan"), "trainer.prompts_per_step=64"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_program("logra-plan", ["trainer.prompts_per_step=64"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     for row in ("train rank 0", "rollout engine", "driver + Ray", "host needs"):
         assert row in result.stdout
     assert list(tmp_path.iterdir()) == []  # no run directory, no model built here
-    refused = subprocess.run(
-        [str(BIN / "logra-plan"), "cluster.host_memory_gib=0.1"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = run_program("logra-plan", ["cluster.host_memory_gib=0.1"], tmp_path)
     assert refused.returncode == 1 and "logra-plan: memory plan: host needs" in refused.stderr

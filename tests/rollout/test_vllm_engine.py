@@ -7,11 +7,13 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 vllm = pytest.importorskip("vllm")
@@ -176,3 +178,25 @@ def test_the_cpu_kv_cache_is_sized_for_the_runs_sequences(smollm2_model):
     assert cpu_kv_cache_gib(kv_bytes_per_token(spec), 192, spec.max_num_seqs) == 2  # 1.06 GiB, rounded up
     assert kv_bytes_per_token(dataclasses.replace(spec, tensor_parallel_size=3)) == 23_040 // 3  # a third per rank
     assert cpu_kv_cache_gib(23_040, 8192, spec.max_num_seqs) == 8  # capped
+
+
+def test_a_killed_vllm_engine_is_restarted_resynced_and_samples_the_same_tokens(tmp_path, quickstart_model):
+    """kill -9 of a vLLM engine's process: Ray restarts it in its bundle, the full resync brings it to the
+    merged policy, and the lost call, made again with the same seed, returns the same tokens."""
+    cfg = run_config(["model=hf", f"model.path={quickstart_model}", "rollout=vllm", "logger.progress=false"])
+    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
+    controller.setup()
+    try:
+        controller.step(0)  # the engine now holds a merged update, which the checkpoint on disk does not
+        prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
+        before = controller.rollout.generate(prompts, controller.sampling(), seed=11)
+        [engine] = controller.rollout.engines
+        os.kill(ray.get(engine.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        after = controller.rollout.generate(prompts, controller.sampling(), seed=11)
+        step = controller.step(1)
+    finally:
+        controller.teardown()
+    assert controller.rollout.restarts == 1 and step["fault/engine_restarts"] == 1
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+    assert [c.logprobs for c in after] == [c.logprobs for c in before]
+    assert step["sync/weight_max_abs_diff"] == 0.0
