@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
@@ -43,3 +44,24 @@ def target_shapes(model_path: str, config: LoGRAConfig) -> dict[str, tuple[int, 
     modules = find_targets(model, config.target_modules)
     check_rank(modules, config.rank)
     return {name: tuple(m.weight.shape) for name, m in modules}
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # each converts exactly to float32
+
+
+def converts_exactly(model_path: str, dtype: str) -> bool:
+    """Whether every floating tensor of the checkpoint at `model_path` (safetensors) converts exactly to
+    `dtype`: it is stored in `dtype`, or `dtype` is float32. Then an engine that reads the checkpoint holds
+    what a full resync from the trainer's fp32 masters, read from the same files, would send it (the rounding
+    of an exact value is the value, and its residual is zero). False when it cannot tell (no safetensors)."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, framework="pt") as checkpoint:
+            names = checkpoint.keys()
+            for name in names:
+                stored = checkpoint.get_slice(name).get_dtype()
+                if stored.startswith(("I", "U", "BOOL")):  # integer tensors are not weights the sync sends
+                    continue
+                if stored not in SAFETENSORS_DTYPES or dtype not in ("float32", SAFETENSORS_DTYPES[stored]):
+                    return False
+    return bool(files)

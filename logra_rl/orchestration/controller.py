@@ -31,7 +31,7 @@ from rich.console import Console
 from logra_rl.config import RunConfig
 from logra_rl.data import PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
-from logra_rl.models.loading import resolve_model_path, target_shapes
+from logra_rl.models.loading import converts_exactly, resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import GroupLost, start_ray
 from logra_rl.orchestration.memory_plan import GIB, check_memory, machine_of
 from logra_rl.orchestration.preemption import Preemption
@@ -113,7 +113,9 @@ class Controller:
             self.rollout.on_restart = lambda engines: self.weight_sync.full_resync(self.policy_version, engines)
             self.resumed_from = self._resume()
             self.first_state = self.driver_state(self.start_step)  # where a lost group restarts without checkpoints
-            self.weight_sync.full_resync(self.policy_version)
+            engines_exact = self.resumed_from is None and converts_exactly(model_path, config.rollout.dtype)
+            if not self.weight_sync.first_sync(self.policy_version, engines_exact):
+                print("[logra-train] the engines read the trainer's checkpoint exactly: no resync at start", flush=True)
         # from the process's start (imports included) to the first step: logged with that step
         self.startup = {
             **timer.seconds,

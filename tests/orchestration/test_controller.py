@@ -10,6 +10,7 @@ from logra_rl.logra import split_master
 from logra_rl.orchestration.controller import Controller
 from logra_rl.train.api import LowRankPayloads, NoChange
 from logra_rl.train.batch import pack_batch
+from tests.models.test_loading import save_as
 
 REQUIRED = [
     "reward/mean",
@@ -109,6 +110,27 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     for name, (rows, cols) in grid.items():
         expected = split_master(master[f"{name}.weight"][rows, cols])[0].float()  # the default tail residual
         assert torch.equal(rollout[name], expected), name
+
+
+def test_engines_that_read_an_exact_checkpoint_start_without_a_resync(tmp_path, quickstart_model, capsys):
+    """bf16 engines that read a bf16 checkpoint hold bf16(master) already: no full resync at start, and they
+    sample exactly what they sample after one."""
+    model = save_as(quickstart_model, tmp_path / "bf16", torch.bfloat16)
+    cfg = run_config(["model=hf", f"model.path={model}", "trainer.prompts_per_step=8", "logger.progress=false"])
+    controller = Controller(RunConfig.from_mapping(cfg), tmp_path / "run", {})
+    controller.setup()
+    try:
+        started = capsys.readouterr().out
+        prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
+        before = controller.rollout.generate(prompts, controller.sampling(), seed=3)
+        controller.weight_sync.full_resync(controller.policy_version)
+        after = controller.rollout.generate(prompts, controller.sampling(), seed=3)
+        first = controller.step(0)
+    finally:
+        controller.teardown()
+    assert "no resync at start" in started
+    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in before]
+    assert first["sync/weight_max_abs_diff"] == 0.0 and first["sync/payload_bytes"] > 0
 
 
 def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_model):
