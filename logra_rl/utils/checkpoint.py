@@ -108,13 +108,13 @@ class Checkpoints:
     def _complete(self) -> list[Path]:
         """Committed checkpoints, oldest commit first (the controller state is written last)."""
         steps = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
-        return sorted(
-            steps,
-            key=lambda p: (
-                (p / "controller.json").stat().st_mtime_ns if (p / "controller.json").exists() else 0,
-                p.name,
-            ),
-        )
+        return sorted(steps, key=lambda p: (_committed_at(p), p.name))
+
+
+def _committed_at(path: Path) -> int:
+    """When the checkpoint at `path` was committed (its controller state written last), 0 if it never was."""
+    state = path / "controller.json"
+    return state.stat().st_mtime_ns if state.exists() else 0
 
 
 def read_controller_state(path: Path) -> dict[str, Any]:
