@@ -84,10 +84,10 @@ def run_variant(variant: str, tokens: int, layers: int) -> dict:
     else:
         mask = torch.ones_like(ids)
         if variant == "probe_full":
-            total, _ = jvp_kl(lambda x: model(input_ids=x).logits, ids, mask, low_rank_step(model), 1.0)
+            total = jvp_kl(lambda x: model(input_ids=x).logits, ids, mask, low_rank_step(model), 1.0).total
         else:
             hidden = lambda x: model.model(input_ids=x).last_hidden_state  # noqa: E731
-            total, _ = jvp_kl(hidden, ids, mask, low_rank_step(model), 1.0, head=model.lm_head)
+            total = jvp_kl(hidden, ids, mask, low_rank_step(model), 1.0, head=model.lm_head).total
         assert torch.isfinite(total)
     seconds = time.perf_counter() - start
     return {"variant": variant, "peak_above_model_gib": (peak_bytes() - baseline) / GIB, "seconds": seconds}

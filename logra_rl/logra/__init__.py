@@ -5,8 +5,11 @@ Pure torch: nothing here imports Ray, vLLM or Hydra.
 
 from logra_rl.logra.config import DEFAULT_TARGET_MODULES, KLConfig, LoGRAConfig
 from logra_rl.logra.kl import (
+    BaseForward,
+    GuardedStep,
     KLController,
     ProbeError,
+    ProbeSums,
     exact_kl,
     finite_difference_kl,
     jvp_kl,
@@ -33,6 +36,8 @@ from logra_rl.logra.targets import check_rank, find_targets
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
+    "BaseForward",
+    "GuardedStep",
     "KLConfig",
     "KLController",
     "LoGRAConfig",
@@ -43,6 +48,7 @@ __all__ = [
     "PayloadMerger",
     "PayloadRefused",
     "ProbeError",
+    "ProbeSums",
     "UpdatePayload",
     "apply_payload",
     "canonical_name",

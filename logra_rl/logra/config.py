@@ -37,6 +37,10 @@ class KLConfig:
     schedule: str = "cosine"  # cosine: budget -> final_budget over schedule_steps; constant: budget
     schedule_steps: int = 300
     alpha_max: float = 3.0
+    # The guard: a step whose realised KL exceeds max_overshoot × budget is shrunk and measured again, at
+    # most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
+    max_overshoot: float = 1.5
+    max_tries: int = 4
     estimator: str = "jvp"  # jvp (forward-mode AD) | finite_difference (true KL at ±fd_step)
     fd_step: float = 1.0  # finite-difference probe step, in units of the proposal (α)
     probe_responses: int = 2  # responses probed per data-parallel rank
@@ -51,6 +55,13 @@ class KLConfig:
         check_choice("logra.kl.schedule", self.schedule, KL_SCHEDULES)
         check_positive_int("logra.kl.schedule_steps", self.schedule_steps)
         check_positive("logra.kl.alpha_max", self.alpha_max)
+        check(
+            isinstance(self.max_overshoot, int | float) and self.max_overshoot >= 1,
+            "logra.kl.max_overshoot",
+            self.max_overshoot,
+            "must be >= 1 (the realised KL allowed, in budgets; inf turns the guard off)",
+        )
+        check_positive_int("logra.kl.max_tries", self.max_tries)
         check_choice("logra.kl.estimator", self.estimator, KL_ESTIMATORS)
         check_positive("logra.kl.fd_step", self.fd_step)
         check_positive_int("logra.kl.probe_responses", self.probe_responses)

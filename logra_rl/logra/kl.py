@@ -21,14 +21,23 @@ so no (tokens × vocab) logits (nor their tangent) exist beyond one chunk; witho
 returns the logits.
 
 The controller turns q into a step scale α = min(α_max, √(δ_eff/q)) against a scheduled
-budget δ, reduced by the measured rollout-vs-trainer mismatch.
+budget δ, reduced by the measured rollout-vs-trainer mismatch, and then guards it (`KLController.guard`):
+the quadratic model can be wrong by orders of magnitude (a confident softmax whose logits move by several
+nats grows its KL exponentially, not quadratically, in α), so the true KL of the proposed α is measured and
+α is shrunk from the measurement until the step lands within `max_overshoot`·δ, or the update is refused.
+
+Every probe forward runs SDPA's math backend (the fused kernels have no forward-AD rule), so the JVP's
+primal pass can serve as the unstepped forward of every later realised-KL measurement (`BaseForward`):
+each line-search try costs one stepped forward on the probe rows.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,6 +55,10 @@ POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × voca
 # Relative change of a layer's output that a bf16 forward resolves well (8 ulps of bf16's 2^-8).
 LOW_PRECISION_RESOLUTION = 2**-5
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Each line-search try shrinks α by at least this factor, whatever the measured overshoot says.
+MAX_SHRINK = 0.7
+# A shrunk step whose realised KL is below this share of the budget is tried once more, closer to the budget.
+UNDERSHOOT = 0.5
 
 
 class ProbeError(RuntimeError):
@@ -106,44 +119,76 @@ def _shifted(step: LowRankStep, scale: float):
     return _hooks(step, make_hook)
 
 
-@contextmanager
-def _measured(step: LowRankStep) -> Iterator[dict[str, Any]]:
-    """Hooks that leave outputs alone and record whether any targeted output is low precision and, over
-    those, the largest ‖change‖/‖output‖ of the step at scale 1."""
-    record: dict[str, Any] = {"ratio": 0.0, "low_precision": False}
+@dataclass(frozen=True)
+class BaseForward:
+    """The policy's forward on the probe rows without the step, kept for the realised-KL measurements.
+
+    `change_ratio` is the largest ‖change‖/‖output‖ of the step at scale 1 over the targeted linears whose
+    outputs are low precision (`low_precision`): how far a measurement must enlarge the step to resolve it.
+    """
+
+    features: torch.Tensor
+    low_precision: bool = False
+    change_ratio: float = 0.0
+
+    def resolvable_scale(self, scale: float) -> float:
+        """How much to enlarge a step of `scale` so a low-precision forward resolves it (1 in fp32)."""
+        change = self.change_ratio * abs(scale)
+        if not self.low_precision or change == 0 or change >= LOW_PRECISION_RESOLUTION:
+            return 1.0
+        return LOW_PRECISION_RESOLUTION / change
+
+    def for_step(self, scale: float) -> BaseForward:
+        """The same forward, seen from the step scaled by `scale` (a line-search try at α = scale)."""
+        return replace(self, change_ratio=self.change_ratio * abs(scale))
+
+
+class _ChangeRecord:
+    """Collects, over the targeted linears, whether any output is low precision and the largest relative
+    output change of the step there (fp32 outputs resolve any step, so they are not sized)."""
+
+    def __init__(self) -> None:
+        self.low_precision = False
+        self.change_ratio = 0.0
+
+    def add(self, output: torch.Tensor, change: torch.Tensor) -> None:
+        if output.dtype not in LOW_PRECISION:
+            return
+        self.low_precision = True
+        size = float(torch.linalg.vector_norm(output.float()))
+        if size > 0:
+            self.change_ratio = max(self.change_ratio, float(torch.linalg.vector_norm(change.float())) / size)
+
+    def base(self, features: torch.Tensor) -> BaseForward:
+        return BaseForward(features, self.low_precision, self.change_ratio)
+
+
+def base_forward(forward: LogitsFn, input_ids: torch.Tensor, step: LowRankStep) -> BaseForward:
+    """The unstepped forward, sized against `step` (for fp32 outputs the step is never computed)."""
+    record = _ChangeRecord()
 
     def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            if output.dtype not in LOW_PRECISION:
-                return  # fp32 resolves the step as it is: no enlarging, so no need to size the change
-            change = _output_change(module, args[0], projection, factor)
-            size = float(torch.linalg.vector_norm(output.float()))
-            if size > 0:
-                record["ratio"] = max(record["ratio"], float(torch.linalg.vector_norm(change)) / size)
-            record["low_precision"] = True
+            if output.dtype in LOW_PRECISION:
+                record.add(output, _output_change(module, args[0], projection, factor))
 
         return hook
 
-    with _hooks(step, make_hook):
-        yield record
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), _hooks(step, make_hook):
+        features = forward(input_ids)
+    return record.base(features)
 
 
-def resolvable_scale(record: dict[str, Any], scale: float) -> float:
-    """How much to enlarge a step of `scale` so a low-precision forward resolves it (1 in fp32)."""
-    change = record["ratio"] * abs(scale)
-    if not record["low_precision"] or change == 0 or change >= LOW_PRECISION_RESOLUTION:
-        return 1.0
-    return LOW_PRECISION_RESOLUTION / change
-
-
-def _tangent(step: LowRankStep):
-    """Hooks that add the step's output change to each targeted linear's forward-AD tangent."""
+def _tangent(step: LowRankStep, record: _ChangeRecord):
+    """Hooks that add the step's output change to each targeted linear's forward-AD tangent (and size it)."""
 
     def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
             x = fwAD.unpack_dual(args[0]).primal
             primal, tangent = fwAD.unpack_dual(output)
-            change = _output_change(module, x, projection, factor).to(primal.dtype)
+            change = _output_change(module, x, projection, factor)
+            record.add(primal, change)
+            change = change.to(primal.dtype)
             return fwAD.make_dual(primal, change if tangent is None else tangent + change)
 
         return hook
@@ -175,6 +220,15 @@ def _masked_sum(
     return total, positions.sum().to(torch.float64)
 
 
+@dataclass(frozen=True)
+class ProbeSums:
+    """A probe's Σ KL over the masked positions, their count, and the unstepped forward it ran."""
+
+    total: torch.Tensor
+    count: torch.Tensor
+    base: BaseForward
+
+
 def jvp_kl(
     forward: LogitsFn,
     input_ids: torch.Tensor,
@@ -182,12 +236,13 @@ def jvp_kl(
     step: LowRankStep,
     temperature: float,
     head: HeadFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ predicted KL, number of positions) over generated-token predictions, via forward-mode AD.
+) -> ProbeSums:
+    """Σ predicted KL (per unit scale²) over generated-token predictions, via forward-mode AD.
 
-    SDPA runs on its math backend: the fused CPU/GPU attention kernels have no forward-AD rule.
+    The JVP's primal pass is the unstepped forward: it comes back as `base` for realised-KL measurements.
     """
-    with torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), _tangent(step):
+    record = _ChangeRecord()
+    with torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), _tangent(step, record):
         features = forward(input_ids)
         if fwAD.unpack_dual(features).tangent is None:
             raise ProbeError(
@@ -199,7 +254,9 @@ def jvp_kl(
             primal, tangent = fwAD.unpack_dual(_chunk_logits(features, chunk, head))
             return predicted_kl(primal, tangent, temperature)
 
-        return _masked_sum(chunk_kl, _target_positions(loss_mask))
+        total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
+        primal = fwAD.unpack_dual(features).primal.detach().clone()
+    return ProbeSums(total, count, record.base(primal))
 
 
 def step_kl(
@@ -209,27 +266,24 @@ def step_kl(
     step: LowRankStep,
     temperature: float,
     scale: float,
-    base_features: torch.Tensor | None = None,
+    base: BaseForward | None = None,
     head: HeadFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model.
 
-    Under low-precision compute the step is measured at scale·s with s = `resolvable_scale` and the KL
-    divided by s² (see the module docstring); `base_features` (what `forward` returned without the step)
-    skips the base forward (fp32 callers).
+    `base` (the unstepped forward, sized against `step`) saves a forward. Under low-precision compute the
+    step is measured at scale·s with s = `base.resolvable_scale(scale)` and the KL divided by s² (see the
+    module docstring).
     """
-    enlarge = 1.0
-    with torch.no_grad():
-        if base_features is None:
-            with _measured(step) as record:
-                base_features = forward(input_ids)
-            enlarge = resolvable_scale(record, scale)
+    base = base if base is not None else base_forward(forward, input_ids, step)
+    enlarge = base.resolvable_scale(scale)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
         with _shifted(step, scale * enlarge):
             stepped = forward(input_ids)
 
         def chunk_kl(chunk: slice) -> torch.Tensor:
-            base, shifted = _chunk_logits(base_features, chunk, head), _chunk_logits(stepped, chunk, head)
-            return exact_kl(base, shifted, temperature)
+            unstepped, shifted = _chunk_logits(base.features, chunk, head), _chunk_logits(stepped, chunk, head)
+            return exact_kl(unstepped, shifted, temperature)
 
         total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
     return total / enlarge**2, count
@@ -243,19 +297,18 @@ def finite_difference_kl(
     temperature: float,
     fd_step: float,
     head: HeadFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ q, positions) with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term.
+) -> ProbeSums:
+    """Σ q over the positions with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term.
 
-    Under low-precision compute h is enlarged until the step is resolved (`resolvable_scale`).
+    Under low-precision compute h is enlarged until the step is resolved (`BaseForward.resolvable_scale`).
     """
-    with torch.no_grad(), _measured(step) as record:
-        base_features = forward(input_ids)
-    h = fd_step * resolvable_scale(record, fd_step)
-    total = torch.zeros((), dtype=torch.float64, device=base_features.device)
+    base = base_forward(forward, input_ids, step)
+    h = fd_step * base.resolvable_scale(fd_step)
+    total = torch.zeros((), dtype=torch.float64, device=base.features.device)
     for scale in (h, -h):
-        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base_features, head)
+        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base, head)
         total += kl_sum
-    return total / (2 * h**2), count
+    return ProbeSums(total / (2 * h**2), count, base)
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
@@ -275,6 +328,47 @@ def step_scale(q: float, budget: float, alpha_max: float) -> float:
     if q == 0:
         return 1.0
     return min(alpha_max, math.sqrt(budget / q))
+
+
+@dataclass(frozen=True)
+class GuardedStep:
+    """The controller's decision for one update: what was predicted, measured and (if `accepted`) committed."""
+
+    q: float  # predicted KL per unit α²
+    budget: float  # δ_eff
+    tried: tuple[tuple[float, float], ...]  # (α, realised KL) of every measurement, the proposed α first
+    alpha: float  # the α to commit when accepted (the last one tried when refused)
+    kl: float  # its realised KL
+    accepted: bool
+    seconds: float = 0.0  # spent measuring the realised KLs (the line search's share of the probe)
+
+    @property
+    def tries(self) -> int:
+        return len(self.tried)
+
+    @property
+    def proposed_alpha(self) -> float:
+        """min(α_max, √(budget/q)): what the quadratic model alone would have committed."""
+        return self.tried[0][0]
+
+    @property
+    def predicted(self) -> float:
+        """q·α² at the committed α."""
+        return self.q * self.alpha**2
+
+    @property
+    def calibration(self) -> float:
+        """Realised over predicted KL at the proposed α: how far the quadratic model was off (nan at q = 0)."""
+        alpha, kl = self.tried[0]
+        predicted = self.q * alpha**2
+        return kl / predicted if predicted > 0 else math.nan
+
+    def refusal(self) -> str:
+        return (
+            f"KL guard: after {self.tries} tries the realised KL was still {self.kl / self.budget:.3g}x the "
+            f"budget {self.budget:.3g} (alpha {self.proposed_alpha:.3g} proposed, {self.alpha:.3g} last tried); "
+            "the update is skipped"
+        )
 
 
 class KLController:
@@ -301,6 +395,42 @@ class KLController:
 
     def alpha(self, q: float, budget: float) -> float:
         return step_scale(q, budget, self.config.alpha_max)
+
+    def guard(self, q: float, budget: float, realized_kl: Callable[[float], float]) -> GuardedStep:
+        """α from the prediction, then checked against the true KL before anything is committed.
+
+        `realized_kl(α)` measures the exact KL of the step at α. While it exceeds `max_overshoot`·budget, α
+        shrinks by √(budget/KL), and by at least MAX_SHRINK, and is measured again: when the KL grows faster
+        than α² (the usual way the quadratic model fails) the shrunk step lands within the budget, often far
+        below it. A step that landed below UNDERSHOOT·budget then gets one more try, at the α where the power
+        law through its last two measurements meets the budget, kept only if it is within the bound too.
+        After `max_tries` measurements without a step within the bound the update is refused.
+        """
+        limit = self.config.max_overshoot * budget
+        tried: list[tuple[float, float]] = []
+        start = time.perf_counter()
+
+        def measure(alpha: float) -> float:
+            kl = realized_kl(alpha)
+            if not (math.isfinite(kl) and kl >= 0):
+                raise FloatingPointError(f"realised KL {kl} at alpha={alpha:.3g} is not finite; the step is refused")
+            tried.append((alpha, kl))
+            return kl
+
+        alpha = self.alpha(q, budget)
+        kl = measure(alpha)
+        while kl > limit and len(tried) < self.config.max_tries:
+            alpha *= min(MAX_SHRINK, math.sqrt(budget / kl))
+            kl = measure(alpha)
+        accepted = kl <= limit
+        if accepted and len(tried) >= 2 and kl < UNDERSHOOT * budget and len(tried) < self.config.max_tries:
+            (above, kl_above), (below, kl_below) = tried[-2], tried[-1]
+            exponent = math.log(kl_above / kl_below) / math.log(above / below) if kl_below > 0 else math.nan
+            if math.isfinite(exponent) and exponent > 0:
+                candidate = min(below * (budget / kl_below) ** (1 / exponent), above)
+                if (kl_candidate := measure(candidate)) <= limit:
+                    alpha, kl = candidate, kl_candidate
+        return GuardedStep(q, budget, tuple(tried), alpha, kl, accepted, time.perf_counter() - start)
 
     def state_dict(self) -> dict[str, float]:
         return {"mismatch": self.mismatch}

@@ -6,8 +6,9 @@
     payload = opt.commit(alpha=1.0)      # merge into the fp32 weights, redraw A, return the payload
 
 Between prepare and commit the KL helpers measure the proposal: `probe_kl` (q, the KL per
-unit α²) and `realized_kl` (the exact KL of a given α). `discard()` drops a prepared update and
-restores the RowAdam state, so a refused step changes nothing.
+unit α²), `realized_kl` (the exact KL of a given α) and `guarded_step` (both, and the α within the
+KL budget that may be committed, or a refusal). `discard()` drops a prepared update and restores the
+RowAdam state, so a refused step changes nothing.
 
 Data parallel: if torch.distributed is initialised, `prepare` sums the sketches over the
 process group (so each rank's loss should be its share of the global loss) and `num_tokens`
@@ -26,11 +27,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from logra_rl.logra.config import LoGRAConfig
 from logra_rl.logra.kl import (
+    BaseForward,
+    GuardedStep,
     HeadFn,
     KLController,
     LogitsFn,
     LowRankStep,
     ProbeError,
+    ProbeSums,
     finite_difference_kl,
     jvp_kl,
     step_kl,
@@ -256,13 +260,8 @@ class LoGRAOptimizer:
         estimator is `kl.estimator`. Under data parallelism every rank probes the same row count.
         """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
-        kl = self.config.kl
-        if kl.estimator == "jvp":
-            total, count = jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature, head)
-        else:
-            step = self.proposal()
-            total, count = finite_difference_kl(forward, input_ids, loss_mask, step, temperature, kl.fd_step, head)
-        return self._reduced_mean(total, count)
+        sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
+        return self._reduced_mean(sums.total, sums.count)
 
     def realized_kl(
         self,
@@ -278,9 +277,61 @@ class LoGRAOptimizer:
         Measured before the commit with the step injected by output hooks (the weights are not touched).
         """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
+        return self._realized(forward, input_ids, loss_mask, temperature, alpha, None, head)
+
+    def guarded_step(
+        self,
+        forward: LogitsFn,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+        budget: float,
+        head: HeadFn | None = None,
+    ) -> GuardedStep:
+        """q, the α it proposes for `budget`, and that α checked before anything is committed: its realised KL
+        is measured and α shrunk while it exceeds `kl.max_overshoot`·budget (`KLController.guard`).
+
+        Commit `result.alpha` when `result.accepted`, else `discard()`. The probe's unstepped forward is
+        reused, so each try costs one forward on the probe rows; every rank takes the same decisions (the
+        measurements are all-reduced), so their collectives stay in step.
+        """
+        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
+        sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
+        q = self._reduced_mean(sums.total, sums.count)
+
+        def realized(alpha: float) -> float:
+            return self._realized(forward, input_ids, loss_mask, temperature, alpha, sums.base, head)
+
+        return self.kl_controller.guard(q, budget, realized)
+
+    def _probe_sums(
+        self,
+        forward: LogitsFn,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+        head: HeadFn | None,
+    ) -> ProbeSums:
+        kl = self.config.kl
+        if kl.estimator == "jvp":
+            return jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature, head)
+        return finite_difference_kl(forward, input_ids, loss_mask, self.proposal(), temperature, kl.fd_step, head)
+
+    def _realized(
+        self,
+        forward: LogitsFn,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+        alpha: float,
+        base: BaseForward | None,
+        head: HeadFn | None,
+    ) -> float:
+        """Mean exact KL of commit(alpha) on rows already cut by `_probe_rows`; `base` was sized at α = 1."""
         wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
         step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]
-        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale=1.0, head=head)
+        base = base.for_step(alpha) if base is not None else None
+        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, 1.0, base, head)
         return self._reduced_mean(total, count)
 
     def _probe_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

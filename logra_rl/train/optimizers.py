@@ -162,10 +162,12 @@ class LoRAUpdate(DenseUpdate):
 
 
 class LoGRAUpdate:
-    """prepare → KL probe → budget → α → realised KL → commit, on the probe rows of this rank's batch.
+    """prepare → KL probe → budget → α → guard (realised KL, α shrunk while it overshoots) → commit, on the
+    probe rows of this rank's batch.
 
-    A non-finite sketch, a probe that fails (no generated tokens, non-finite KL) or a non-finite
-    realised KL skips the update: the prepared update is discarded and nothing changes.
+    A non-finite sketch, a probe that fails (no generated tokens, non-finite KL), a non-finite realised KL or
+    a step the guard cannot bring within `logra.kl.max_overshoot` × its budget skips the update: the prepared
+    update is discarded and nothing changes, on the trainer or the engines.
     """
 
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
@@ -188,32 +190,41 @@ class LoGRAUpdate:
         except FloatingPointError as error:
             opt.zero_sketches()
             return {"actor/skipped": 1.0}, NoChange(str(error))
-        probe, temperature = inputs.probe(), self.temperature
+        probe = inputs.probe()
         start = time.perf_counter()
         self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            q = opt.probe_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, probe.head)
             budget = opt.kl_controller.step_budget(opt.update_count, inputs.mismatch_sum, inputs.mismatch_tokens)
-            alpha = opt.kl_controller.alpha(q, budget)
-            realized = opt.realized_kl(probe.forward, probe.input_ids, probe.loss_mask, temperature, alpha, probe.head)
+            step = opt.guarded_step(
+                probe.forward, probe.input_ids, probe.loss_mask, self.temperature, budget, probe.head
+            )
         except (FloatingPointError, ProbeError) as error:
             opt.discard()
             return {"actor/skipped": 1.0}, NoChange(str(error))
         finally:
             self.model.train()
-        probe_seconds = time.perf_counter() - start
-        payload = opt.commit(alpha)
         metrics = {
-            "logra/alpha": alpha,
             "logra/kl_budget": budget,
-            "logra/kl_per_unit_step": q,
-            "logra/kl_predicted": q * alpha**2,
-            "logra/kl_realized": realized,
-            "logra/update_ratio": opt.config.update_ratio * alpha,
+            "logra/kl_per_unit_step": step.q,
+            "logra/alpha_proposed": step.proposed_alpha,
+            "logra/kl_realized_over_predicted": step.calibration,
+            "logra/line_search_tries": float(step.tries),
+            "logra/overshoot_refused": float(not step.accepted),
             "logra/sketch_norm": sketch_norm,
             "logra/mismatch_ema": opt.kl_controller.mismatch,
+            "timing_s/probe": time.perf_counter() - start,
+            "timing_s/line_search": step.seconds,
+        }
+        if not step.accepted:
+            opt.discard()
+            return {**metrics, "logra/alpha": 0.0, "actor/skipped": 1.0}, NoChange(step.refusal())
+        payload = opt.commit(step.alpha)
+        metrics |= {
+            "logra/alpha": step.alpha,
+            "logra/kl_predicted": step.predicted,
+            "logra/kl_realized": step.kl,
+            "logra/update_ratio": opt.config.update_ratio * step.alpha,
             "actor/skipped": 0.0,
-            "timing_s/probe": probe_seconds,
         }
         return metrics, payload
 

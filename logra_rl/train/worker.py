@@ -52,7 +52,13 @@ ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts 
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
 # Per-token sums of one backward pass, all-reduced over the group in this order.
 SUMS = ("tokens", "loss", "is_ratio", "is_truncated", "clipped", "mismatch_all", "mismatch", "mismatch_tokens")
-SUMMED_OVER_EPOCHS = ("actor/skipped", "timing_s/probe")  # the other per-update metrics are epoch means
+SUMMED_OVER_EPOCHS = (
+    "actor/skipped",
+    "logra/line_search_tries",
+    "logra/overshoot_refused",
+    "timing_s/probe",
+    "timing_s/line_search",
+)  # the other per-update metrics are epoch means
 
 
 def aggregate_epochs(per_epoch: list[Mapping[str, float]]) -> dict[str, float]:
@@ -302,9 +308,12 @@ class TrainWorker:
         return dict(zip(SUMS, reduced.tolist(), strict=True))
 
     def _probe(self, batch: TrainBatch) -> KLProbe:
-        """LoGRA's KL probe rows: the first responses of this rank's shard, probed through the decoder's
-        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
-        probe = batch.rows(slice(0, self.config.logra.kl.probe_responses)).trimmed()
+        """LoGRA's KL probe rows: `probe_responses` responses spread evenly over this rank's shard (GRPO's
+        consecutive rows answer one prompt: the probe should see as many prompts as it can), probed through
+        the decoder's hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
+        count = min(self.config.logra.kl.probe_responses, len(batch))
+        stride = len(batch) // count if count else 1
+        probe = batch.rows(torch.arange(count) * stride).trimmed()
         return KLProbe(
             forward=lambda ids: self._hidden_states(ids),
             input_ids=probe.input_ids.to(self.device),

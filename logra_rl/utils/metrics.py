@@ -27,6 +27,8 @@ SUMMARY_KEYS = (
     "logra/alpha",
     "logra/kl_predicted",
     "logra/kl_realized",
+    "logra/kl_budget",
+    "logra/line_search_tries",
     "sync/payload_bytes",
     "sync/weight_max_abs_diff",
     "memory/train_peak_gib",

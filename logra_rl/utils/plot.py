@@ -20,20 +20,34 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 DASH = "—"
-# Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against.
+KL_REALIZED, KL_PREDICTED, KL_BUDGET = "logra/kl_realized", "logra/kl_predicted", "logra/kl_budget"
+REFUSED = "logra/overshoot_refused"
+# logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
+DEFAULT_MAX_OVERSHOOT = 1.5
+# Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against; the
+# budget thin and dotted, as the reference both are measured by.
 KL_STYLES: dict[str, dict[str, Any]] = {
-    "logra/kl_realized": {"linestyle": "-", "linewidth": 0.8, "alpha": 0.7},
-    "logra/kl_predicted": {"linestyle": "--", "linewidth": 1.6, "zorder": 3},
+    KL_REALIZED: {"linestyle": "-", "linewidth": 0.8, "alpha": 0.7},
+    KL_PREDICTED: {"linestyle": "--", "linewidth": 1.6, "zorder": 3},
+    KL_BUDGET: {"linestyle": ":", "linewidth": 1.0},
 }
+KL_NAMES = {KL_REALIZED: "realised", KL_PREDICTED: "predicted (q·α²)", KL_BUDGET: "budget δ"}
+# A step over the bound is a violation and must stand out in any run's colour; a refused step committed nothing.
+OVER_BOUND_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "x", "markersize": 7, "color": "red", "zorder": 4}
+REFUSED_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "v", "markersize": 6, "markeredgecolor": "black"}
 RUN_DIR_CONTENTS = "a run directory (outputs/<experiment_name>/<run_name>/) holds metrics.jsonl and config.yaml"
 
 
 def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
-    records = _read_records(Path(metrics_path))
+    """The end-of-run PNG; the KL guard's bound (logra.kl.max_overshoot × budget) comes from the config.yaml beside
+    `metrics_path`, so that steps over it and refused steps are marked."""
+    metrics_path = Path(metrics_path)
+    records = _read_records(metrics_path)
+    max_overshoot = _max_overshoot(_read_config(metrics_path.parent / "config.yaml"))
     panels = [
         ("reward", ["reward/mean", "reward/baseline"]),
         ("eval", [f"eval/{task}/pass@1", f"eval/{task}/pass@{k}"]),
-        ("KL per token", ["logra/kl_predicted", "logra/kl_realized", "logra/kl_budget"]),
+        ("KL per token", [KL_PREDICTED, KL_REALIZED, KL_BUDGET]),
         ("memory (GiB)", ["memory/train_avg_gib", "memory/train_peak_gib"]),
     ]
     figure, axes = plt.subplots(2, 2, figsize=(11, 7))
@@ -44,6 +58,7 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
                 steps, values = zip(*points, strict=True)
                 axis.plot(steps, values, marker="." if len(points) < 30 else None, label=key)
         if title == "KL per token":
+            _draw_guard(axis, records, max_overshoot)
             axis.set_yscale("log")
         axis.set_title(title)
         axis.set_xlabel("step")
@@ -53,6 +68,20 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
     figure.savefig(output, dpi=110)
     plt.close(figure)
     return Path(output)
+
+
+def _draw_guard(axis: Any, records: list[dict[str, Any]], max_overshoot: float) -> None:
+    """The bound max_overshoot × budget (thin, dotted), red × on realised KL above it, ▽ at the budget of refused
+    steps: a violation of the guard is visible at a glance."""
+    budget = [(r["step"], float(r[KL_BUDGET])) for r in records if r.get(KL_BUDGET) is not None]
+    if budget:
+        steps, values = zip(*budget, strict=True)
+        bound = [max_overshoot * value for value in values]
+        axis.plot(steps, bound, linestyle=":", linewidth=0.8, color="gray", label=f"bound {max_overshoot:g} × budget")
+    if over := _over_bound(records, max_overshoot):
+        axis.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"realised over bound: {len(over)}")
+    if refused := _refused(records):
+        axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"refused: {len(refused)}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -76,6 +105,10 @@ class Run:
     @property
     def optimizer(self) -> str:
         return str(_get(self.config, "optimizer.name") or DASH)
+
+    @property
+    def max_overshoot(self) -> float:
+        return _max_overshoot(self.config)
 
     def series(self, key: str | None) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, skipping records without it or with null (a value that could not be computed)."""
@@ -106,14 +139,7 @@ def load_run(path: Path) -> Run:
     records = _read_records(metrics)
     if not records:
         raise ValueError(f"{metrics} is empty: the run logged no step yet")
-    config_path = path / "config.yaml"
-    config: Any = {}
-    if config_path.is_file():  # optional: only the optimizer name, eval k and step count come from it
-        try:
-            config = OmegaConf.to_container(OmegaConf.load(config_path))
-        except Exception as error:
-            raise ValueError(f"{config_path} is not a readable YAML config ({error})") from None
-    return Run(path=path, config=config if isinstance(config, dict) else {}, records=records)
+    return Run(path=path, config=_read_config(path / "config.yaml"), records=records)
 
 
 def default_labels(runs: list[Run]) -> list[str]:
@@ -142,6 +168,8 @@ def summarize(run: Run) -> dict[str, str]:
     updates = run.values("perf/updates_per_hour")
     timings = run.values("timing_s/step")
     sync_bytes = _sync_bytes(run)
+    measured, over = _measured(run.records), _over_bound(run.records, run.max_overshoot)
+    refusals = run.values(REFUSED)
     return {
         "run": run.label,
         "optimizer": run.optimizer,
@@ -151,8 +179,10 @@ def summarize(run: Run) -> dict[str, str]:
         "eval pass@1 at start": _first_eval(run, run.pass1_key),
         "eval pass@1": _final_eval(run, run.pass1_key, last_step),
         "eval pass@k": _final_eval(run, run.passk_key, last_step),
-        "KL realised (mean)": _num(_mean(run.values("logra/kl_realized")), ".2e"),
-        "KL predicted (mean)": _num(_mean(run.values("logra/kl_predicted")), ".2e"),
+        "KL realised (mean)": _num(_mean(run.values(KL_REALIZED)), ".2e"),
+        "KL predicted (mean)": _num(_mean(run.values(KL_PREDICTED)), ".2e"),
+        "KL over bound (steps)": f"{len(over)} / {len(measured)}" if measured else DASH,
+        "updates refused": _num(sum(refusals) if refusals else None, ".0f"),
         "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
         "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
         "sync KiB/step": _num(_mean(sync_bytes) / 1024 if sync_bytes else None, ",.0f"),
@@ -208,17 +238,31 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
     pass1.set_title("eval pass@1")
     passk.set_title(f"eval pass@{ks.pop()}" if len(ks) == 1 else "eval pass@k")
 
+    any_over = any_refused = False
     for run in runs:
         for key, style in KL_STYLES.items():
             steps, values = run.series(key)
             kept = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # log scale: zero KL has no place
             if kept:
-                kl.plot(*zip(*kept, strict=True), color=color[run.label], **style)
-    kl.set_title("KL per token: realised vs predicted")
+                kl.plot(*zip(*kept, strict=True), color=color[run.label], label=f"{run.label} {KL_NAMES[key]}", **style)
+        if over := _over_bound(run.records, run.max_overshoot):
+            kl.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"{run.label} over bound")
+            any_over = True
+        if refused := _refused(run.records):
+            kl.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color=color[run.label], label=f"{run.label} refused")
+            any_refused = True
+    kl.set_title("KL per token: realised, predicted, budget")
     if kl.lines:
         kl.set_yscale("log")
         handles = [Line2D([], [], color="gray", **style) for style in KL_STYLES.values()]
-        kl.legend(handles, ["realised", "predicted (q·α²)"], fontsize=8)
+        names = list(KL_NAMES.values())
+        if any_over:  # the markers are explained only where they appear
+            handles.append(Line2D([], [], **OVER_BOUND_STYLE))
+            names.append("realised > max_overshoot × budget")
+        if any_refused:
+            handles.append(Line2D([], [], **REFUSED_STYLE, color="gray"))
+            names.append("update refused (at its budget)")
+        kl.legend(handles, names, fontsize=8)
     else:
         _note(kl, "no logra/kl_* metrics (no LoGRA run)")
 
@@ -322,6 +366,44 @@ def _read_records(metrics: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{metrics} line {number} is not a metrics record (a JSON object with a 'step' key)")
         records.append(record)
     return records
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The resolved config.yaml, or {} without one: only the optimizer name, eval k, step count and the KL guard's
+    max_overshoot come from it."""
+    if not path.is_file():
+        return {}
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as error:
+        raise ValueError(f"{path} is not a readable YAML config ({error})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _max_overshoot(config: dict[str, Any]) -> float:
+    value = _get(config, "logra.kl.max_overshoot")
+    return float(value) if isinstance(value, int | float) else DEFAULT_MAX_OVERSHOOT
+
+
+def _measured(records: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(step, realised KL, budget) of the steps that logged both: those the guard's bound can be checked on."""
+    return [
+        (r["step"], float(r[KL_REALIZED]), float(r[KL_BUDGET]))
+        for r in records
+        if r.get(KL_REALIZED) is not None and r.get(KL_BUDGET) is not None
+    ]
+
+
+def _over_bound(records: list[dict[str, Any]], max_overshoot: float) -> list[tuple[int, float]]:
+    """(step, realised KL) of committed steps whose realised KL exceeds max_overshoot × budget: the guard should
+    have shrunk them (or the run predates it)."""
+    return [(step, kl) for step, kl, budget in _measured(records) if kl > max_overshoot * budget]
+
+
+def _refused(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, budget) of steps whose update the guard refused: nothing was committed, so there is no realised KL to
+    mark and the budget stands in for it."""
+    return [(r["step"], float(r[KL_BUDGET])) for r in records if r.get(REFUSED) and r.get(KL_BUDGET) is not None]
 
 
 def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[str | None, str | None]:

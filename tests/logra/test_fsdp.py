@@ -30,8 +30,8 @@ def single_process_step():
     sketches = [t.sketch.clone() for t in opt.targets]
     directions = [d.clone() for _, _, d in opt.proposal()]
     # under FSDP each rank probes its first probe_responses (2) rows: all 4 rows of the global batch
-    total, count = jvp_kl(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK, opt.proposal(), TEMPERATURE)
-    q = float(total / count)
+    sums = jvp_kl(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK, opt.proposal(), TEMPERATURE)
+    q = float(sums.total / sums.count)
     projections = [t.projection.clone() for t in opt.targets]
     factors = [entry.factor for entry in opt.commit(ALPHA).entries]
     return opt, model, sketches, directions, q, projections, factors

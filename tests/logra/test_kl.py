@@ -204,3 +204,92 @@ def test_finite_difference_and_realised_kl_are_unbiased_under_bf16_compute(monke
     naive = opt.probe_kl(bf16, batch, loss_mask, TEMPERATURE)
     assert abs(naive - reference) > 0.5 * reference  # measured here: 60× too large
     assert abs(opt.realized_kl(bf16, batch, loss_mask, TEMPERATURE, alpha) - realised_fp32) > 0.5 * realised_fp32
+
+
+class CosineHead(torch.nn.Module):
+    """logits = head(cos(q_proj(embed(ids)))) around q_proj ≈ 0: cos is flat at 0, so a step of q_proj moves
+    the logits at second order only. The JVP sees almost nothing (q ≈ 0, α pinned at α_max) while the true KL
+    of that α is large: the quadratic model is wrong by orders of magnitude, by construction."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+        with torch.no_grad():
+            self.q_proj.weight.mul_(1e-4)  # cos'(h) = −sin(h) ≈ −h: the first-order change is ~1e-4 of the second's
+            self.head.weight.mul_(20.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cos(self.q_proj(self.embed(input_ids))))
+
+    def linear_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same network without the cosine: a loss whose gradient reaches q_proj at q_proj ≈ 0."""
+        return self.head(self.q_proj(self.embed(input_ids)))
+
+
+def test_guard_lands_within_the_bound_where_the_quadratic_model_is_badly_wrong():
+    budget = 1e-3
+    config = LoGRAConfig(rank=4, seed=1, update_ratio=3e3, target_modules=("q_proj",), wire_dtype="float32")
+    model = CosineHead()
+    opt = LoGRAOptimizer(model, config)
+    batch = torch.arange(16).reshape(2, 8)
+    loss_mask = torch.ones_like(batch)
+    model.linear_logits(batch)[..., 0].sum().backward()
+    opt.prepare(num_tokens=batch.numel())
+
+    step = opt.guarded_step(model, batch, loss_mask, TEMPERATURE, budget)
+
+    assert step.q * config.kl.alpha_max**2 < 1e-2 * budget  # the prediction sees almost nothing ...
+    assert step.proposed_alpha == config.kl.alpha_max
+    assert step.tried[0][1] > 10 * budget and step.calibration > 1e5  # ... the true KL is far past the budget
+    assert step.accepted and step.tries >= 2 and step.alpha < step.proposed_alpha
+    assert 0.5 * budget <= step.kl <= config.kl.max_overshoot * budget  # the undershooting shrink was recovered
+    with torch.no_grad():
+        before = model(batch)
+        opt.commit(step.alpha)
+        after = model(batch)
+    committed = float(exact_kl(before[:, :-1], after[:, :-1], TEMPERATURE).mean())
+    assert committed == pytest.approx(step.kl, rel=1e-3)  # what the guard measured is what landed
+    assert 0 < committed <= config.kl.max_overshoot * budget
+
+
+def test_guard_refuses_what_it_cannot_bring_within_the_bound():
+    """A KL that does not fall with α (noise, a broken model) is refused after max_tries measurements; a KL
+    within the bound is committed at the proposed α after one."""
+    controller = KLController(KLConfig(schedule="constant", budget=1e-3, max_overshoot=1.5, max_tries=3))
+    alphas = []
+
+    def stubborn(alpha):
+        alphas.append(alpha)
+        return 1.0
+
+    refused = controller.guard(q=4e-4, budget=1e-3, realized_kl=stubborn)
+    assert not refused.accepted and refused.tries == 3 and [kl for _, kl in refused.tried] == [1.0, 1.0, 1.0]
+    assert refused.proposed_alpha == pytest.approx(math.sqrt(2.5)) == alphas[0]
+    assert alphas[1] == pytest.approx(alphas[0] * math.sqrt(1e-3))  # shrunk from the measurement, not q
+    assert "KL guard" in refused.refusal() and "1e+03x the budget" in refused.refusal()
+
+    slow = []  # a KL a little over the bound still shrinks α by at least MAX_SHRINK per try
+    within = controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda a: slow.append(a) or 1.6e-3 * (a / slow[0]) ** 2)
+    assert within.accepted and within.tries == 2 and slow[1] == pytest.approx(0.7 * slow[0])
+
+    def cliff(alpha):  # the shrink undershoots (1e-5); the power-law retry near the budget overshoots again
+        return 1.0 if alpha > 0.1 else 1e-5
+
+    safe = controller.guard(q=4e-4, budget=1e-3, realized_kl=cliff)
+    assert safe.accepted and safe.tries == 3 and safe.kl == 1e-5 and safe.alpha == safe.tried[1][0]
+    assert safe.tried[2][0] > safe.alpha and safe.tried[2][1] == 1.0
+
+    once = controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda alpha: 1.2e-3)
+    assert once.accepted and once.tries == 1 and once.alpha == once.proposed_alpha
+    assert once.calibration == pytest.approx(1.2)
+    with pytest.raises(FloatingPointError, match="realised KL"):
+        controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda alpha: float("nan"))
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_overshoot", 0.9), ("max_tries", 0)])
+def test_guard_settings_are_checked(key, value):
+    with pytest.raises(ValueError, match=f"logra.kl.{key}"):
+        KLConfig(**{key: value})

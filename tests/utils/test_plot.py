@@ -1,17 +1,22 @@
 """logra-plot on three small run directories written by hand, and plot_run as the trainer calls it."""
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 import yaml
 
 from logra_rl.utils.plot import Run, default_labels, plot_main, plot_run
 
 
-def write_run(run_dir: Path, optimizer: str, records: list[dict], total_steps: int = 10) -> Path:
-    """The two files logra-train writes that logra-plot reads (the config holds only the keys it uses)."""
+def write_run(
+    run_dir: Path, optimizer: str, records: list[dict], total_steps: int = 10, max_overshoot: float | None = None
+) -> Path:
+    """The two files logra-train writes that logra-plot reads (the config holds only the keys it uses; runs from
+    before the KL guard have no logra.kl.max_overshoot)."""
     run_dir.mkdir(parents=True)
     config = {
         "optimizer": {"name": optimizer},
@@ -19,6 +24,8 @@ def write_run(run_dir: Path, optimizer: str, records: list[dict], total_steps: i
         "rollout": {"eval_samples": 4},
         "trainer": {"total_steps": total_steps},
     }
+    if max_overshoot is not None:
+        config["logra"] = {"kl": {"max_overshoot": max_overshoot}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run_dir
@@ -29,7 +36,8 @@ def train_record(step: int, reward: float, timing: float, **extra: float | None)
 
 
 def logra_records() -> list[dict]:
-    """10 steps, reward step/10, KL realised 0.01 / predicted 0.02 (one null), evals at 0, 5 and the final one."""
+    """10 steps, reward step/10, KL realised 0.01 (one null) / predicted 0.02 / budget 0.01, evals at 0, 5 and the
+    final one; no KL guard metrics (a run from before the guard)."""
     records = []
     for step in range(10):
         record = train_record(
@@ -39,6 +47,7 @@ def logra_records() -> list[dict]:
             **{
                 "logra/kl_realized": None if step == 3 else 0.01,
                 "logra/kl_predicted": 0.02,
+                "logra/kl_budget": 0.01,
                 "memory/train_avg_gib": 1.0 if step % 2 else 1.5,
                 "memory/train_peak_gib": 2.0 + step / 10,
                 "perf/updates_per_hour": 1000.0 + 100 * step,
@@ -68,6 +77,51 @@ def short_records() -> list[dict]:
     records = [train_record(s, 0.2, 1.0) for s in range(6)]
     records[0] |= {"eval/gsm8k/pass@1": 0.25, "eval/gsm8k/pass@4": 0.5, "logra/kl_realized": 0.0}
     return records
+
+
+def guarded_records() -> list[dict]:
+    """8 steps with the KL guard's metrics, budget 0.01: realised 1.8× the budget at step 2 (over a 1.5× bound, not a
+    2× one), 2.5× at step 4 (over both), step 6 refused (nothing committed: no realised or predicted KL)."""
+    realized = {2: 0.018, 4: 0.025}
+    records = []
+    for step in range(8):
+        guard = {"logra/kl_budget": 0.01, "logra/alpha_proposed": 1.0, "logra/overshoot_refused": float(step == 6)}
+        if step == 6:
+            guard |= {"logra/alpha": 0.0, "logra/line_search_tries": 4.0, "logra/kl_realized_over_predicted": 3.0}
+        else:
+            kl = realized.get(step, 0.01)
+            guard |= {
+                "logra/alpha": 1.0,
+                "logra/line_search_tries": 1.0,
+                "logra/kl_predicted": 0.01,
+                "logra/kl_realized": kl,
+                "logra/kl_realized_over_predicted": kl / 0.01,
+            }
+        records.append(train_record(step, 0.5, 1.0, **guard, **{"timing_s/line_search": 0.1}))
+    return records
+
+
+@pytest.fixture
+def figures(monkeypatch) -> Iterator[list]:
+    """The figures plot_run and plot_comparison draw, kept open so that a test can read what they show."""
+    close, kept = plt.close, []
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for figure in kept:
+        close(figure)
+
+
+def kl_axis(figure) -> plt.Axes:
+    return next(axis for axis in figure.axes if axis.get_title().startswith("KL per token"))
+
+
+def lines(axis: plt.Axes) -> dict[str, tuple[list[float], list[float]]]:
+    """(steps, values) of each line of `axis`, by its label."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axis.lines}
+
+
+def legend(axis: plt.Axes) -> list[str]:
+    return [text.get_text() for text in axis.get_legend().get_texts()]
 
 
 @pytest.fixture
@@ -105,6 +159,10 @@ def test_compare_three_runs_writes_png_and_table(runs, tmp_path, capsys):
     assert logra["sync KiB/step"] == "3"  # 2 KiB payloads, one 10 KiB resync in 10 steps
     assert (logra["KL realised (mean)"], logra["KL predicted (mean)"]) == ("1.00e-02", "2.00e-02")  # null skipped
     assert dense["KL realised (mean)"] == dense["KL predicted (mean)"] == "—"
+    # logra predates the guard: 9 realised values (one null) checked against 1.5 × budget, no refusal metric
+    assert (logra["KL over bound (steps)"], logra["updates refused"]) == ("0 / 9", "—")
+    assert dense["KL over bound (steps)"] == dense["updates refused"] == "—"
+    assert short["KL over bound (steps)"] == "—"  # a realised KL without a budget cannot be checked
     assert (logra["mem avg GiB"], logra["mem peak GiB"], short["mem peak GiB"]) == ("1.25", "2.90", "—")
     assert (logra["updates/h (median)"], dense["updates/h (median)"], short["updates/h (median)"]) == (
         "1,450",
@@ -150,7 +208,69 @@ def test_default_labels_are_unique_across_experiments(tmp_path):
     assert labels == ["a/run (logra)", "b/run (logra)", "logra_r64"]
 
 
-def test_plot_run_still_writes_the_end_of_run_png(tmp_path):
+def test_plot_run_still_writes_the_end_of_run_png(tmp_path, figures):
     run = write_run(tmp_path / "logra", "logra", logra_records())
     png = plot_run(run / "metrics.jsonl", tmp_path / "run.png", task="gsm8k", k=4)
     assert png.stat().st_size > 10_000
+    # a run from before the guard: the default bound 1.5 × budget, no step over it, nothing refused
+    assert legend(kl_axis(figures[0])) == [
+        "logra/kl_predicted",
+        "logra/kl_realized",
+        "logra/kl_budget",
+        "bound 1.5 × budget",
+    ]
+    assert lines(kl_axis(figures[0]))["bound 1.5 × budget"][1] == pytest.approx([0.015] * 10)
+
+
+def test_table_and_kl_panel_show_steps_over_the_bound_and_refused_updates(tmp_path, figures):
+    strict = write_run(tmp_path / "exp" / "strict", "logra", guarded_records(), total_steps=8, max_overshoot=2.0)
+    default = write_run(tmp_path / "exp" / "default", "logra", guarded_records(), total_steps=8)
+    old = write_run(tmp_path / "exp" / "old", "logra", logra_records())
+    out = tmp_path / "cmp"
+    assert plot_main([str(strict), str(default), str(old), "--out", str(out), "--labels", "strict,default,old"]) == 0
+
+    rows = table_rows((out / "comparison.md").read_text())
+    # 7 committed steps: 2.5× the budget is over a 2× bound; 1.8× too over the default 1.5× (no key in config.yaml)
+    assert (rows["strict"]["KL over bound (steps)"], rows["default"]["KL over bound (steps)"]) == ("1 / 7", "2 / 7")
+    assert (rows["strict"]["updates refused"], rows["old"]["updates refused"]) == ("1", "—")
+    assert rows["strict"]["KL realised (mean)"] == f"{(5 * 0.01 + 0.018 + 0.025) / 7:.2e}"  # the refused step has none
+
+    [figure] = figures
+    axis = kl_axis(figure)
+    assert axis.get_title() == "KL per token: realised, predicted, budget"
+    drawn = lines(axis)
+    assert drawn["strict over bound"] == ([4], [0.025])
+    assert drawn["default over bound"] == ([2, 4], [0.018, 0.025])
+    assert "old over bound" not in drawn and "old refused" not in drawn
+    assert drawn["strict refused"] == drawn["default refused"] == ([6], [0.01])  # drawn at the budget
+    assert drawn["strict realised"][0] == [0, 1, 2, 3, 4, 5, 7]
+    assert drawn["strict budget δ"] == (list(range(8)), [0.01] * 8)
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker(), line.get_color()) for line in axis.lines}
+    assert styles["strict budget δ"][0] == ":" and styles["strict predicted (q·α²)"][0] == "--"
+    assert styles["default over bound"][1:] == ("x", "red")
+    assert styles["strict refused"][2] == styles["strict realised"][2]  # in the run's colour
+    assert legend(axis) == [
+        "realised",
+        "predicted (q·α²)",
+        "budget δ",
+        "realised > max_overshoot × budget",
+        "update refused (at its budget)",
+    ]
+
+
+def test_kl_legend_of_runs_without_violations_explains_only_the_lines(runs, tmp_path, figures):
+    assert plot_main([*map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
+    axis = kl_axis(figures[0])
+    assert legend(axis) == ["realised", "predicted (q·α²)", "budget δ"]
+    assert not any(label.endswith(("over bound", "refused")) for label in lines(axis))
+
+
+def test_plot_run_marks_the_bound_from_config_yaml(tmp_path, figures):
+    run = write_run(tmp_path / "logra", "logra", guarded_records(), total_steps=8, max_overshoot=2.0)
+    png = plot_run(run / "metrics.jsonl", tmp_path / "run.png", task="gsm8k", k=4)
+    assert png.stat().st_size > 10_000
+    drawn = lines(kl_axis(figures[0]))
+    assert drawn["bound 2 × budget"] == (list(range(8)), [0.02] * 8)
+    assert drawn["realised over bound: 1"] == ([4], [0.025])
+    assert drawn["refused: 1"] == ([6], [0.01])
+    assert drawn["logra/kl_realized"][0] == [0, 1, 2, 3, 4, 5, 7]
