@@ -91,7 +91,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule, DESIGN.md §5) or
+    """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule) or
     lora (peft adapters on `lora_targets` trained with the same AdamW and schedule)."""
 
     name: str = "logra"

@@ -30,7 +30,7 @@ KL_ESTIMATORS = ("jvp", "finite_difference")
 
 @dataclass(frozen=True)
 class KLConfig:
-    """Predicted-KL step control (reference §5). Budgets are nats per generated token."""
+    """Predicted-KL step control, the reference port's defaults. Budgets are nats per generated token."""
 
     budget: float = 2e-4
     final_budget: float = 2e-5
@@ -73,7 +73,7 @@ class KLConfig:
 
 @dataclass(frozen=True)
 class LoGRAConfig:
-    """The method's configuration (reference §1.1 defaults; `seed` is the run's base seed)."""
+    """The method's configuration (the reference port's defaults; `seed` is the run's base seed)."""
 
     rank: int = 256
     seed: int = 42

@@ -1,4 +1,4 @@
-"""Predicted-KL step control (reference §5): how far a proposed update moves the policy.
+"""Predicted-KL step control: how far a proposed update moves the policy.
 
 A low-rank step W ← W − s·U·A changes a targeted linear's output by −s·(x·Aᵀ)·Uᵀ. The probes
 inject exactly that change into the layer outputs with forward hooks, so they never touch the
@@ -381,7 +381,7 @@ class KLController:
     def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
         """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.
 
-        With no measured tokens this step the budget is not reduced (reference §5.5).
+        With no measured tokens this step the budget is not reduced (as in the reference port).
         """
         budget = scheduled_budget(self.config, update)
         if not self.config.mismatch_subtraction or mismatch_tokens <= 0:

@@ -27,7 +27,7 @@ def canonical_name(name: str) -> str:
 
 
 def projection_seed(base_seed: int, update: int, name: str) -> int:
-    """Seed of the projection for module `name` after `update` completed updates (reference §1.2)."""
+    """Seed of the projection for module `name` after `update` completed updates (the reference port's formula)."""
     digest = hashlib.blake2b(canonical_name(name).encode("utf-8"), digest_size=8).digest()
     return (base_seed * 1_000_003 + update * 7_919 + int.from_bytes(digest, "little")) & SEED_MASK
 

@@ -1,4 +1,4 @@
-"""RowAdam: one second moment per output row, applied to a sketch (reference §3).
+"""RowAdam: one second moment per output row, applied to a sketch (as in the reference port).
 
 The state is keyed by output row, not by projected coordinate, so it stays meaningful when
 the projection is redrawn after every update. There is no first moment.

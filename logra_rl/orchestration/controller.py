@@ -1,4 +1,4 @@
-"""The Controller: the synchronous, on-policy RL step loop of DESIGN.md §1.
+"""The Controller: the synchronous, on-policy RL step loop (docs/training.md, "The step").
 
     1. sample prompts → rollout engines generate (token ids + sampling log-probs)
     2. grade → rewards → advantages

@@ -1,4 +1,4 @@
-"""The run's memory, planned before anything starts (DESIGN.md §10).
+"""The run's memory, planned before anything starts.
 
 From the model's config (`models.footprint`: parameter counts, and the activations a layer saves, traced on
 the meta device), the optimizer, LoGRA rank and targets, dtypes, microbatch tokens, sequence lengths, train

@@ -1,4 +1,4 @@
-"""WeightSync: every way the trainer's weights reach the rollout engines (DESIGN.md §4).
+"""WeightSync: every way the trainer's weights reach the rollout engines.
 
 - a step's `LowRankPayloads` are broadcast to every engine, in order; each engine version-gates them;
 - a refused payload, a dense / LoRA update (`FullResync`), an engine left at another version, or the

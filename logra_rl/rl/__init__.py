@@ -1,4 +1,4 @@
-"""RL math: advantages, token log-probs and policy-gradient losses (DESIGN.md §5)."""
+"""RL math: advantages, token log-probs and policy-gradient losses."""
 
 from logra_rl.rl.advantages import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rl.logprobs import head_logprobs, token_logprobs

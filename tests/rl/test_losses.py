@@ -5,7 +5,7 @@ from logra_rl.rl import RunningBaseline, length_weighted, policy_gradient_loss
 
 
 def test_reinforce_gradient_matches_the_reference_recipe():
-    """∂L/∂log π = −A'·min(π_train/π_rollout, 2)·mask, with A' length-weighted (reference §6.1)."""
+    """∂L/∂log π = −A'·min(π_train/π_rollout, 2)·mask, with A' length-weighted."""
     baseline = RunningBaseline()
     baseline.value = 0.2
     outcomes = torch.tensor([1.0, 0.0])

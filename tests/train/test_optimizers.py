@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 
 from logra_rl.config import OptimizerConfig, RunConfig
@@ -42,3 +44,31 @@ def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones
     assert metrics["actor/skipped"] == 1.0 and isinstance(outcome, NoChange) and update.version == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_quickstart_commits_no_step_past_its_kl_bound(tmp_path):
+    """`logra-train` as `make run` runs it (the real quickstart, first 60 of its 200 steps: the phase where the
+    quadratic prediction missed by up to 700x and a committed overshoot collapsed the run). Every committed
+    step is within max_overshoot x its budget; the guard had work to do (proposals past the bound, shrunk);
+    and the policy learns."""
+    from tests.runs import LOGRA_TRAIN, records
+
+    args = ["trainer.total_steps=60", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.run_name=guard"]
+    args += ["logger.progress=false", "logger.plot=false"]
+    result = subprocess.run([LOGRA_TRAIN, *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in records(tmp_path / "outputs/quickstart/guard") if "reward/mean" in r]
+    assert len(steps) == 60
+    committed = [r for r in steps if r.get("logra/kl_realized") is not None]
+    assert len(committed) >= 55 and sum(r["logra/overshoot_refused"] for r in steps) <= 5
+    for r in committed:
+        assert r["logra/kl_realized"] <= 1.5 * r["logra/kl_budget"], r
+    first_tries = [
+        r["logra/kl_realized_over_predicted"] * r["logra/kl_per_unit_step"] * r["logra/alpha_proposed"] ** 2
+        for r in steps
+    ]
+    overshot = [kl > 1.5 * r["logra/kl_budget"] for kl, r in zip(first_tries, steps, strict=True)]
+    assert sum(overshot) >= 3  # proposals the old controller would have committed past the bound
+    assert all(r["logra/line_search_tries"] >= 2 for r, o in zip(steps, overshot, strict=True) if o)
+    rewards = [r["reward/mean"] for r in steps]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.03
