@@ -127,8 +127,9 @@ def lr_schedule_note(config: RunConfig) -> str | None:
 def toy_settings_problem(hydra_config: DictConfig) -> str | None:
     """Why a run on a real model would silently get the quickstart's toy settings, or None.
 
-    The root config's defaults are the tiny quickstart model's (LoGRA KL budget 5e-2, ~250x a pre-trained
-    model's), so a run that swaps in `model=hf` but picks no experiment must choose its settings on purpose."""
+    The root config's defaults are the tiny quickstart model's (a LoGRA KL budget hundreds of times a
+    pre-trained model's), so a run that swaps in `model=hf` but picks no experiment must choose its settings
+    on purpose."""
     choices, overrides = hydra_config.runtime.choices, list(hydra_config.overrides.task)
     if choices.get("experiment") is not None or choices.get("model") == "quickstart":
         return None
@@ -138,7 +139,8 @@ def toy_settings_problem(hydra_config: DictConfig) -> str | None:
     if choices.get("logra") == "quickstart" and "logra=quickstart" not in overrides:
         return (
             "a pre-trained model with no experiment would get the CPU quickstart's toy LoGRA settings (logra="
-            "quickstart: KL budget 5e-2, update ratio 3e-2). Pick a preset (+experiment=smollm2 on a CPU; "
+            "quickstart: a KL budget and update ratio sized for a random-init toy, hundreds of times a pre-trained "
+            "model's). Pick a preset (+experiment=smollm2 on a CPU; "
             f"{presets}), or the paper's settings with logra=default experiment_name=NAME, or keep the toy's on "
             "purpose with logra=quickstart"
         )
