@@ -279,10 +279,16 @@ def kl_under_bf16(device: torch.device, shape: dict, tokens: int) -> dict:
     opt.config = LoGRAConfig(rank=64, kl={"estimator": "finite_difference"})
     finite_difference = opt.probe_kl(bf16, ids, mask, 1.0)
     realised_bf16 = opt.realized_kl(bf16, ids, mask, 1.0, 1.0)
+    # The KL guard under bf16: its realised KL comes from the JVP's bf16 primal pass kept as the unstepped
+    # forward, the step enlarged to be resolved; it must equal the fp32 KL of the α it chose.
+    opt.config = LoGRAConfig(rank=64)
+    guarded = opt.guarded_step(bf16, ids, mask, 1.0, budget=jvp)
+    guarded_fp32 = opt.realized_kl(fp32, ids, mask, 1.0, guarded.alpha)
     opt.discard()
     return {
         "kl_fd_bf16_over_jvp_fp32": finite_difference / jvp,
         "kl_realized_bf16_over_fp32": realised_bf16 / realised,
+        "kl_guard_bf16_over_fp32": guarded.kl / guarded_fp32,
     }
 
 
@@ -397,7 +403,7 @@ def failed_checks(results: dict, cuda: bool) -> list[str]:
             failed.append(f"{key}: the in-place bf16 weights differ from bf16 of the trainer-side fp32 merge")
     if not results["projection_device_exact"]:
         failed.append("projections drawn on the device differ from the CPU's")
-    for key in ("kl_fd_bf16_over_jvp_fp32", "kl_realized_bf16_over_fp32"):
+    for key in ("kl_fd_bf16_over_jvp_fp32", "kl_realized_bf16_over_fp32", "kl_guard_bf16_over_fp32"):
         if not 0.8 <= results[key] <= 1.25:
             failed.append(f"{key} = {results[key]:.3g}: a KL measured under bf16 is biased (want 0.8–1.25)")
     if cuda and not results.get("cuda_graph_sees_merge"):
