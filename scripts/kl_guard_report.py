@@ -48,10 +48,11 @@ def summarize(run: Path) -> dict[str, Any]:
     over = [r["step"] for r in committed if r["logra/kl_realized"] > overshoot * r["logra/kl_budget"]]
     calibration = [
         r["logra/kl_realized_over_predicted"]
-        if "logra/kl_realized_over_predicted" in r
+        if r.get("logra/kl_realized_over_predicted") is not None
         else r["logra/kl_realized"] / r["logra/kl_predicted"]
         for r in committed
-        if r.get("logra/kl_realized_over_predicted") is not None or r.get("logra/kl_predicted")
+        if r.get("logra/kl_realized_over_predicted") is not None
+        or (r.get("logra/kl_predicted") and "logra/line_search_tries" not in r)  # a run from before the guard
     ]
     tries = [r["logra/line_search_tries"] for r in steps if r.get("logra/line_search_tries") is not None]
     evals = [(r["step"], v) for r in records for k, v in r.items() if k.startswith("eval/") and k.endswith("pass@1")]
@@ -82,7 +83,9 @@ def summarize(run: Path) -> dict[str, Any]:
         "tries_max": max(tries, default=None),
         "probe_share": sum(r.get("timing_s/probe") or 0 for r in steps) / step_seconds,
         "line_search_share": sum(r.get("timing_s/line_search") or 0 for r in steps) / step_seconds,
-        "step_seconds_median": statistics.median(r["timing_s/step"] for r in steps if r.get("timing_s/step")),
+        "step_seconds_median": statistics.median(seconds)
+        if (seconds := [r["timing_s/step"] for r in steps if r.get("timing_s/step")])
+        else None,
     }
 
 

@@ -12,8 +12,9 @@ weights:
 Under bf16 (or fp16) compute a LoGRA-sized change (~1e-4 of a layer's output) is below half an ulp
 and rounds away or jumps a whole one, so the two measured KLs are biased. When the targeted layers'
 outputs are low precision, both measure at a step large enough to be resolved (the largest relative
-output change `LOW_PRECISION_RESOLUTION`) and scale back quadratically: KL(s·h)/s², exact to the
-quadratic model the controller uses anyway. In fp32 nothing changes.
+output change `LOW_PRECISION_RESOLUTION`) and scale back quadratically: KL(s·h)/s². That is exact
+where it applies: a step too small for bf16 to resolve is deep in the quadratic regime, and a step large
+enough to leave it is resolved and measured as it is. In fp32 nothing changes.
 
 Every probe takes `forward(input_ids)` and an optional `head`: with a head, `forward` returns the
 final hidden states and the probe applies `head` (the LM head) to POSITION_CHUNK positions at a time,
@@ -255,7 +256,7 @@ def jvp_kl(
             return predicted_kl(primal, tangent, temperature)
 
         total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
-        primal = fwAD.unpack_dual(features).primal.detach().clone()
+        primal = fwAD.unpack_dual(features).primal  # stays valid after the dual level: the unstepped forward
     return ProbeSums(total, count, record.base(primal))
 
 
@@ -413,7 +414,9 @@ class KLController:
         def measure(alpha: float) -> float:
             kl = realized_kl(alpha)
             if not (math.isfinite(kl) and kl >= 0):
-                raise FloatingPointError(f"realised KL {kl} at alpha={alpha:.3g} is not finite; the step is refused")
+                raise FloatingPointError(
+                    f"realised KL {kl} at alpha={alpha:.3g} is not a finite non-negative number; the step is refused"
+                )
             tried.append((alpha, kl))
             return kl
 
@@ -427,7 +430,7 @@ class KLController:
             (above, kl_above), (below, kl_below) = tried[-2], tried[-1]
             exponent = math.log(kl_above / kl_below) / math.log(above / below) if kl_below > 0 else math.nan
             if math.isfinite(exponent) and exponent > 0:
-                candidate = min(below * (budget / kl_below) ** (1 / exponent), above)
+                candidate = below * (budget / kl_below) ** (1 / exponent)  # < above: kl_below < budget < kl_above
                 if (kl_candidate := measure(candidate)) <= limit:
                     alpha, kl = candidate, kl_candidate
         return GuardedStep(q, budget, tuple(tried), alpha, kl, accepted, time.perf_counter() - start)

@@ -355,7 +355,7 @@ class LoGRAOptimizer:
             raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
         q = float(total / count)
         if not (math.isfinite(q) and q >= 0):
-            raise FloatingPointError(f"KL probe returned {q}; the step is refused")
+            raise FloatingPointError(f"a KL measurement returned {q}; the step is refused")
         return q
 
     # ---- state ------------------------------------------------------------------------------
@@ -376,7 +376,8 @@ class LoGRAOptimizer:
     def load_state_dict(self, state: dict) -> None:
         if self.prepared:
             raise RuntimeError("cannot load state while an update is prepared; commit() or discard() it first")
-        saved, current = state["config"], self.config.to_dict()
+        # A setting the checkpoint predates (a later version's key) takes its default before comparing.
+        saved, current = LoGRAConfig.from_dict(state["config"]).to_dict(), self.config.to_dict()
         if saved != current:
             differing = sorted(flatten(saved).items() ^ flatten(current).items())
             names = sorted({key for key, _ in differing})

@@ -207,7 +207,6 @@ class LoGRAUpdate:
             "logra/kl_budget": budget,
             "logra/kl_per_unit_step": step.q,
             "logra/alpha_proposed": step.proposed_alpha,
-            "logra/kl_realized_over_predicted": step.calibration,
             "logra/line_search_tries": float(step.tries),
             "logra/overshoot_refused": float(not step.accepted),
             "logra/sketch_norm": sketch_norm,
@@ -215,9 +214,11 @@ class LoGRAUpdate:
             "timing_s/probe": time.perf_counter() - start,
             "timing_s/line_search": step.seconds,
         }
+        if math.isfinite(step.calibration):  # nan at q = 0: nothing was predicted
+            metrics["logra/kl_realized_over_predicted"] = step.calibration
         if not step.accepted:
             opt.discard()
-            return {**metrics, "logra/alpha": 0.0, "actor/skipped": 1.0}, NoChange(step.refusal())
+            return {**metrics, "actor/skipped": 1.0}, NoChange(step.refusal())
         payload = opt.commit(step.alpha)
         metrics |= {
             "logra/alpha": step.alpha,

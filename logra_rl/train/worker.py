@@ -63,7 +63,7 @@ SUMMED_OVER_EPOCHS = (
 
 def aggregate_epochs(per_epoch: list[Mapping[str, float]]) -> dict[str, float]:
     """One step's metrics from its epochs' (PPO): counts and times add up, the rest is the mean over the
-    epochs that report it (a skipped LoGRA update reports no logra/* values)."""
+    epochs that report it (a skipped LoGRA update reports no logra/alpha, kl_predicted or kl_realized)."""
     keys = dict.fromkeys(key for metrics in per_epoch for key in metrics)
     aggregated = {}
     for key in keys:
@@ -201,6 +201,8 @@ class TrainWorker:
                     **update_metrics,
                 }
             )
+            if isinstance(outcome, NoChange):
+                break  # nothing moved: a further epoch would rebuild the same update from the same weights
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the probe's)
         release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)

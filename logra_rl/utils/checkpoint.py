@@ -50,12 +50,13 @@ RESUME_MAY_CHANGE = (
 
 
 def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE)."""
+    """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE). A setting the
+    saved run predates (absent from its config, added by a later version) takes its current value."""
     old, new = flatten(saved), flatten(current)
     return [
         f"{key}: {old.get(key)!r} → {new.get(key)!r}"
         for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key) and not key.startswith(RESUME_MAY_CHANGE)
+        if key in old and old.get(key) != new.get(key) and not key.startswith(RESUME_MAY_CHANGE)
     ]
 
 

@@ -165,6 +165,13 @@ def test_state_errors():
     other = LoGRAOptimizer(tiny_qwen3(seed=2), LoGRAConfig(rank=8, seed=6, kl={"budget": 1e-4}))
     with pytest.raises(ValueError, match=r"does not match the current one in \['kl.budget', 'seed'\]"):
         other.load_state_dict(state)
+    older = {**state, "config": {**state["config"], "kl": dict(state["config"]["kl"])}}
+    del older["config"]["kl"]["max_overshoot"], older["config"]["kl"]["max_tries"]  # saved before the KL guard
+    LoGRAOptimizer(tiny_qwen3(seed=2), LoGRAConfig(rank=8, seed=5)).load_state_dict(older)
+    with pytest.raises(ValueError, match=r"in \['kl.max_overshoot'\]"):  # a default the run did not use
+        LoGRAOptimizer(tiny_qwen3(seed=2), LoGRAConfig(rank=8, seed=5, kl={"max_overshoot": 2.0})).load_state_dict(
+            older
+        )
     backward_and_prepare(model, opt, BATCHES[0])
     with pytest.raises(RuntimeError, match="cannot checkpoint while an update is prepared"):
         opt.state_dict()

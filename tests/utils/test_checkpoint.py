@@ -29,7 +29,10 @@ def test_resume_conflicts_name_the_settings_a_resume_may_not_change():
     assert resume_conflicts(saved, longer) == []
     assert resume_conflicts(saved, other) == ["logra.rank: 256 → 64", "trainer.seed: 1 → 2"]
     assert resume_conflicts(saved, {**saved, "eval": {"checkpoint": "x"}}) == []
-    assert resume_conflicts(saved, {**saved, "data": {"name": "math"}}) == ["data.name: None → 'math'"]
+    # a setting the saved run predates (a later version's key) takes its current value; one it had must stay
+    newer = {**saved, "logra": {"rank": 256, "kl": {"budget": 2e-4, "max_overshoot": 1.5}}}
+    assert resume_conflicts(saved, newer) == []
+    assert resume_conflicts(newer, saved) == ["logra.kl.max_overshoot: 1.5 → None"]
 
 
 def write_checkpoint(checkpoints: Checkpoints, step: int) -> None:
