@@ -313,9 +313,8 @@ class TrainWorker:
         """LoGRA's KL probe rows: `probe_responses` responses spread evenly over this rank's shard (GRPO's
         consecutive rows answer one prompt: the probe should see as many prompts as it can), probed through
         the decoder's hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
-        count = min(self.config.logra.kl.probe_responses, len(batch))
-        stride = len(batch) // count if count else 1
-        probe = batch.rows(torch.arange(count) * stride).trimmed()
+        count = min(self.config.logra.kl.probe_responses, len(batch))  # a shard is never empty (config checks)
+        probe = batch.rows(torch.arange(count) * (len(batch) // count)).trimmed()
         return KLProbe(
             forward=lambda ids: self._hidden_states(ids),
             input_ids=probe.input_ids.to(self.device),

@@ -87,7 +87,7 @@ def guarded_records() -> list[dict]:
     for step in range(8):
         guard = {"logra/kl_budget": 0.01, "logra/alpha_proposed": 1.0, "logra/overshoot_refused": float(step == 6)}
         if step == 6:
-            guard |= {"logra/alpha": 0.0, "logra/line_search_tries": 4.0, "logra/kl_realized_over_predicted": 3.0}
+            guard |= {"logra/line_search_tries": 4.0, "logra/kl_realized_over_predicted": 3.0}
         else:
             kl = realized.get(step, 0.01)
             guard |= {
