@@ -92,7 +92,8 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule) or
-    lora (peft adapters on `lora_targets` trained with the same AdamW and schedule)."""
+    lora (peft adapters on `lora_targets` trained with the same AdamW and schedule). `measure_kl`: dense and
+    LoRA log how far each step moved the policy (`actor/kl_realized`) on the probe rows LoGRA uses."""
 
     name: str = "logra"
     lr: float = 1e-6
@@ -105,6 +106,9 @@ class OptimizerConfig:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    # dense and LoRA: measure each step's KL on LoGRA's probe rows (`actor/kl_realized`), as LoGRA does;
+    # two forwards of `logra.kl.probe_responses` rows per step
+    measure_kl: bool = True
 
     def __post_init__(self) -> None:
         check(

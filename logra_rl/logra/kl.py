@@ -7,7 +7,8 @@ weights:
 - `jvp_kl`: forward-mode AD gives the logit tangent ż along the step; the second-order KL
   per position is Var_{v∼p}(ż_v)/(2T²), so KL(s) ≈ q·s².
 - `finite_difference_kl`: the true KL at s = ±h, q = (KL(h) + KL(−h)) / (2h²).
-- `step_kl`: the true KL of one given step (the "realised" KL of a commit).
+- `step_kl`: the true KL of one given step (the "realised" KL of a commit); `logits_kl` over two
+  forwards' `masked_logits`: the same for update rules that step the weights themselves (dense, LoRA).
 
 Under bf16 (or fp16) compute a LoGRA-sized change (~1e-4 of a layer's output) is below half an ulp
 and rounds away or jumps a whole one, so the two measured KLs are biased. When the targeted layers'
@@ -36,13 +37,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.distributed as dist
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -278,16 +280,54 @@ def step_kl(
     """
     base = base if base is not None else base_forward(forward, input_ids, step)
     enlarge = base.resolvable_scale(scale)
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-        with _shifted(step, scale * enlarge):
-            stepped = forward(input_ids)
-
-        def chunk_kl(chunk: slice) -> torch.Tensor:
-            unstepped, shifted = _chunk_logits(base.features, chunk, head), _chunk_logits(stepped, chunk, head)
-            return exact_kl(unstepped, shifted, temperature)
-
-        total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), _shifted(step, scale * enlarge):
+        stepped = forward(input_ids)
+    before, after = masked_logits(base.features, loss_mask, head), masked_logits(stepped, loss_mask, head)
+    total, count = logits_kl(before, after, temperature, base.features.device)
     return total / enlarge**2, count
+
+
+@torch.no_grad()
+def masked_logits(
+    features: torch.Tensor, loss_mask: torch.Tensor, head: HeadFn | None = None
+) -> Iterator[torch.Tensor]:
+    """The logits predicting generated tokens, POSITION_CHUNK positions at a time ((predictions × vocab) each):
+    from logits, or from hidden states through `head`, so no (tokens × vocab) tensor exists beyond a chunk."""
+    positions = _target_positions(loss_mask)
+    for start in range(0, positions.shape[1], POSITION_CHUNK):
+        chunk = slice(start, start + POSITION_CHUNK)
+        mask = positions[:, chunk]
+        if mask.any():
+            yield _chunk_logits(features, chunk, head)[mask]
+
+
+@torch.no_grad()
+def logits_kl(
+    before: Iterable[torch.Tensor], after: Iterable[torch.Tensor], temperature: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ KL(π_before ‖ π_after), number of predictions) on `device` over matching chunks of `masked_logits`: how
+    far an update moved the policy on the probe rows, whatever moved it (a low-rank step, AdamW, LoRA adapters)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for logits_p, logits_q in zip(before, after, strict=True):
+        total += exact_kl(logits_p.to(device), logits_q.to(device), temperature).sum()
+        count += logits_p.shape[0]
+    return total, torch.tensor(float(count), dtype=torch.float64, device=device)
+
+
+def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor, group: Any = None) -> float:
+    """Σ KL / positions summed over the ranks of `group` (when torch.distributed is initialised): every rank
+    gets the same mean, so every rank takes the same decision on it."""
+    if dist.is_available() and dist.is_initialized():
+        packed = torch.stack([total, count])
+        dist.all_reduce(packed, group=group)
+        total, count = packed
+    if count == 0:
+        raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
+    kl = float(total / count)
+    if not (math.isfinite(kl) and kl >= 0):
+        raise FloatingPointError(f"a KL measurement returned {kl}; the step is refused")
+    return kl
 
 
 def finite_difference_kl(

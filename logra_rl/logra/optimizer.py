@@ -33,10 +33,10 @@ from logra_rl.logra.kl import (
     KLController,
     LogitsFn,
     LowRankStep,
-    ProbeError,
     ProbeSums,
     finite_difference_kl,
     jvp_kl,
+    reduced_mean_kl,
     step_kl,
 )
 from logra_rl.logra.merge import merge_low_rank_
@@ -347,16 +347,7 @@ class LoGRAOptimizer:
         return input_ids[:rows, :length], loss_mask[:rows, :length]
 
     def _reduced_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
-        if _distributed():
-            packed = torch.stack([total, count])
-            dist.all_reduce(packed, group=self.process_group)
-            total, count = packed
-        if count == 0:
-            raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
-        q = float(total / count)
-        if not (math.isfinite(q) and q >= 0):
-            raise FloatingPointError(f"a KL measurement returned {q}; the step is refused")
-        return q
+        return reduced_mean_kl(total, count, self.process_group)
 
     # ---- state ------------------------------------------------------------------------------
 

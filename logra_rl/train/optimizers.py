@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from logra_rl.config import OptimizerConfig, RunConfig
-from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload
+from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload, logits_kl, masked_logits, reduced_mean_kl
 from logra_rl.train.api import FullResync, NoChange
 from logra_rl.train.lora import add_lora
 from logra_rl.utils.checkpoint import UPDATE_STATE
@@ -111,6 +113,8 @@ class DenseUpdate:
         )
         self.model = model
         self.update_count = 0
+        self.measure_kl = self.config.measure_kl
+        self.temperature = config.rollout.temperature
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -127,14 +131,34 @@ class DenseUpdate:
             grad.mul_(self.world_size / inputs.num_tokens)
         grad_norm = float(full_tensor(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
+        metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
         if not skipped:
+            probe = inputs.probe() if self.measure_kl else None
+            start = time.perf_counter()
+            before = [logits.cpu() for logits in self._probe_logits(probe)] if probe else []  # off the GPU
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             self.update_count += 1
+            if probe:
+                total, count = logits_kl(before, self._probe_logits(probe), self.temperature, probe.input_ids.device)
+                metrics["actor/kl_realized"] = reduced_mean_kl(total, count)
+                metrics["timing_s/probe"] = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
         return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
+
+    def _probe_logits(self, probe: KLProbe) -> Iterator[torch.Tensor]:
+        """The policy's logits at the probe rows' generated-token predictions, as the engines run it (no
+        dropout, SDPA's math kernel as in LoGRA's probe): before and after the step, the realised KL's two sides."""
+        self.model.eval()
+        try:
+            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+                features = probe.forward(probe.input_ids)
+                yield from masked_logits(features, probe.loss_mask, probe.head)
+        finally:
+            self.model.train()
+            if isinstance(self.model, FSDPModule):
+                self.model.reshard()  # a forward-only pass leaves the root gathered: the step must not go stale
 
     def save(self, directory: Path) -> None:
         """AdamW moments sharded with torch.distributed.checkpoint (a collective); the count on rank 0."""
@@ -223,7 +247,7 @@ class LoGRAUpdate:
         metrics |= {
             "logra/alpha": step.alpha,
             "logra/kl_predicted": step.predicted,
-            "logra/kl_realized": step.kl,
+            "actor/kl_realized": step.kl,
             "logra/update_ratio": opt.config.update_ratio * step.alpha,
             "actor/skipped": 0.0,
         }

@@ -310,15 +310,17 @@ class TrainWorker:
         return dict(zip(SUMS, reduced.tolist(), strict=True))
 
     def _probe(self, batch: TrainBatch) -> KLProbe:
-        """LoGRA's KL probe rows: `probe_responses` responses spread evenly over this rank's shard (GRPO's
-        consecutive rows answer one prompt: the probe should see as many prompts as it can), probed through
-        the decoder's hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
+        """The KL probe rows (LoGRA's, and the realised KL of dense and LoRA steps): `probe_responses`
+        responses cut to `probe_max_tokens`, spread evenly over this rank's shard (GRPO's consecutive rows
+        answer one prompt: the probe should see as many prompts as it can), probed through the decoder's
+        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
         count = min(self.config.logra.kl.probe_responses, len(batch))  # a shard is never empty (config checks)
         probe = batch.rows(torch.arange(count) * (len(batch) // count)).trimmed()
+        length = self.config.logra.kl.probe_max_tokens
         return KLProbe(
             forward=lambda ids: self._hidden_states(ids),
-            input_ids=probe.input_ids.to(self.device),
-            loss_mask=probe.loss_mask.to(self.device),
+            input_ids=probe.input_ids[:, :length].to(self.device),
+            loss_mask=probe.loss_mask[:, :length].to(self.device),
             head=self._head,
         )
 

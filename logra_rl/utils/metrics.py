@@ -18,7 +18,7 @@ from logra_rl.config import LoggerConfig
 PROGRESS_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
     ("α", "logra/alpha", "{:.2f}"),
-    ("KL", "logra/kl_realized", "{:.1e}"),
+    ("KL", "actor/kl_realized", "{:.1e}"),
     ("step", "timing_s/step", "{:.2f}s"),
 )
 SUMMARY_KEYS = (
@@ -26,7 +26,7 @@ SUMMARY_KEYS = (
     "eval/{task}/pass@1",
     "logra/alpha",
     "logra/kl_predicted",
-    "logra/kl_realized",
+    "actor/kl_realized",
     "logra/kl_budget",
     "logra/line_search_tries",
     "sync/payload_bytes",

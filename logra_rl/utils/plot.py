@@ -20,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 DASH = "—"
-KL_REALIZED, KL_PREDICTED, KL_BUDGET = "logra/kl_realized", "logra/kl_predicted", "logra/kl_budget"
+KL_REALIZED, KL_PREDICTED, KL_BUDGET = "actor/kl_realized", "logra/kl_predicted", "logra/kl_budget"
 REFUSED = "logra/overshoot_refused"
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5

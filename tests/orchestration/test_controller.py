@@ -23,7 +23,7 @@ REQUIRED = [
     "logra/alpha",
     "logra/kl_budget",
     "logra/kl_predicted",
-    "logra/kl_realized",
+    "actor/kl_realized",
     "logra/update_ratio",
     "sync/payload_bytes",
     "sync/weight_max_abs_diff",

@@ -23,10 +23,11 @@ def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones
     from logra_rl.train.optimizers import DenseUpdate, KLProbe, UpdateInputs
 
     model = torch.nn.Linear(4, 3)
-    update = DenseUpdate(model, RunConfig(optimizer=OptimizerConfig(name="dense", lr=1e-2)), world_size=2)
+    config = RunConfig(optimizer=OptimizerConfig(name="dense", lr=1e-2, measure_kl=False))
+    update = DenseUpdate(model, config, world_size=2)
 
     def probe() -> KLProbe:
-        raise AssertionError("the dense rule must not build a KL probe")
+        raise AssertionError("with optimizer.measure_kl=false the dense rule must not build a KL probe")
 
     for p in model.parameters():
         p.grad = torch.ones_like(p)
@@ -46,6 +47,52 @@ def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
+    """`actor/kl_realized` of a dense step is KL(π_before ‖ π_after) per generated token on the probe rows, the
+    head included (a trained LM head changes the logits too), and the step itself is the plain AdamW step."""
+    import torch
+
+    from logra_rl.logra import exact_kl
+    from logra_rl.train.optimizers import DenseUpdate, KLProbe, UpdateInputs, dense_lr_factor
+
+    torch.manual_seed(0)
+    body, head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+    model = torch.nn.Sequential(body, head)
+    twin = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11))
+    twin.load_state_dict(model.state_dict())
+    config = RunConfig(optimizer=OptimizerConfig(name="dense", lr=3e-2, warmup_steps=0))
+    update, reference = (
+        DenseUpdate(model, config, world_size=1),
+        torch.optim.AdamW(
+            twin.parameters(),
+            lr=3e-2 * dense_lr_factor(0, config.optimizer),
+            betas=config.optimizer.betas,
+            eps=config.optimizer.eps,
+            weight_decay=0.0,
+        ),
+    )
+    input_ids = torch.randint(0, 11, (3, 7))
+    loss_mask = torch.zeros(3, 7)
+    loss_mask[:, 4:] = 1  # the generated tokens: logits at positions 3..5 predict them
+    probe = KLProbe(forward=body, input_ids=input_ids, loss_mask=loss_mask, head=head)
+    for net in (model, twin):
+        net(input_ids).logsumexp(-1).sum().backward()
+    with torch.no_grad():
+        before = model(input_ids)
+    metrics, _ = update.update(
+        UpdateInputs(step=0, num_tokens=1, mismatch_sum=0, mismatch_tokens=0, probe=lambda: probe)
+    )
+    reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    with torch.no_grad():
+        after = model(input_ids)
+    where = loss_mask[:, 1:].bool()
+    want = exact_kl(before[:, :-1][where], after[:, :-1][where], config.rollout.temperature).mean()
+    assert want > 1e-3  # the step moved the policy measurably
+    assert metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-9)
+    assert model.training  # the probe's eval mode is undone
+
+
 def test_the_quickstart_commits_no_step_past_its_kl_bound(tmp_path):
     """`logra-train` as `make run` runs it (the real quickstart, first 60 of its 200 steps: the phase where the
     quadratic prediction missed by up to 700x and a committed overshoot collapsed the run). Every committed
@@ -59,10 +106,10 @@ def test_the_quickstart_commits_no_step_past_its_kl_bound(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [r for r in records(tmp_path / "outputs/quickstart/guard") if "reward/mean" in r]
     assert len(steps) == 60
-    committed = [r for r in steps if r.get("logra/kl_realized") is not None]
+    committed = [r for r in steps if r.get("actor/kl_realized") is not None]
     assert len(committed) >= 55 and sum(r.get("logra/overshoot_refused", 0) for r in steps) <= 5
     for r in committed:
-        assert r["logra/kl_realized"] <= 1.5 * r["logra/kl_budget"], r
+        assert r["actor/kl_realized"] <= 1.5 * r["logra/kl_budget"], r
     proposed = [r for r in steps if r.get("logra/kl_realized_over_predicted") is not None]  # probed, q > 0
     first_try = [
         r["logra/kl_realized_over_predicted"] * r["logra/kl_per_unit_step"] * r["logra/alpha_proposed"] ** 2

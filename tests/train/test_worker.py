@@ -67,6 +67,49 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
+    """Two FSDP2 ranks, tied embeddings (a parameter of the root, which a forward-only pass leaves gathered):
+    `actor/kl_realized` is the exact KL per generated token between the model before the step and the model
+    the step left (both read back from the ranks), over the probe rows of both shards, not a stale forward."""
+    from logra_rl.logra import exact_kl
+
+    path = tmp_path / "model"
+    tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)
+    overrides = ["model=hf", f"model.path={path}", "optimizer=dense", "optimizer.lr=1e-3", "logra.kl.probe_responses=2"]
+    config = RunConfig.from_mapping(run_config(overrides))
+    input_ids = random_batch(4, 12, seed=2)
+    loss_mask = torch.zeros(input_ids.shape)
+    loss_mask[:, 6:] = 1
+    batch = TrainBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.full(input_ids.shape, -4.0),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        completed=torch.ones(4, dtype=torch.bool),
+    )
+    owns_ray = start_ray(config)
+    group = TrainGroup(config, str(path))
+    try:
+        group.setup()
+        result = group.train_step(batch, step=0)
+        after = group.full_state()
+    finally:
+        group.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    where = loss_mask[:, 1:].bool()  # 2 rows per shard, both probed
+    with torch.no_grad():
+        logits_before = model(input_ids=input_ids).logits[:, :-1][where]
+        model.load_state_dict(after)
+        logits_after = model(input_ids=input_ids).logits[:, :-1][where]
+    want = exact_kl(logits_before, logits_after, config.rollout.temperature).mean()
+    assert want > 1e-6
+    assert result.metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-3)
+
+
 def test_ppo_epochs_metrics_are_aggregated_over_every_epoch():
     """Counts and times add up over the epochs; every other metric is the mean over the epochs reporting it."""
     epochs = [

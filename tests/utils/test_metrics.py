@@ -7,11 +7,11 @@ from logra_rl.utils.metrics import MetricsLogger
 def test_jsonl_records_resume_truncation_and_offline_wandb(tmp_path):
     logger = MetricsLogger(tmp_path, LoggerConfig(wandb_mode="offline", progress=False), {"a": 1}, total_steps=4)
     for step in range(4):
-        logger.log(step, {"reward/mean": step / 4, "logra/kl_realized": float("nan")})
+        logger.log(step, {"reward/mean": step / 4, "actor/kl_realized": float("nan")})
     logger.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert records[2]["reward/mean"] == 0.5 and records[2]["logra/kl_realized"] is None  # NaN → null
+    assert records[2]["reward/mean"] == 0.5 and records[2]["actor/kl_realized"] is None  # NaN → null
     assert list((tmp_path / "wandb").glob("offline-run-*"))  # written offline, no login
 
     resumed = MetricsLogger(tmp_path, LoggerConfig(progress=False), {}, total_steps=4, start_step=2)

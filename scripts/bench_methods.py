@@ -1,0 +1,326 @@
+"""LoGRA against dense AdamW and LoRA on one preset and several seeds, measured the same way for all three.
+
+    .venv-vllm/bin/python scripts/bench_methods.py                          # smollm2, 20 steps, seeds 1-3
+    .venv-vllm/bin/python scripts/bench_methods.py --report-only            # tables and figure from finished runs
+    .venv-vllm/bin/python scripts/bench_methods.py --steps 10 --seeds 1 --out bench_results/lr_sweep \\
+        --arm dense_5e-6="optimizer=dense optimizer.lr=5e-6" --arm dense_1e-5="optimizer=dense optimizer.lr=1e-5"
+
+Each arm is a label and its `logra-train` overrides (`--arm LABEL="key=value ..."`, repeatable; the defaults
+are the three tuned arms of docs/benchmarks.md §9). Runs go one at a time (two cores: runs side by side would
+measure contention) into OUT/runs/<arm>/seed<k>/; a run that already logged its final eval is not rerun, an
+unfinished or shorter one resumes from its last checkpoint (every 10 steps: a 10-step learning-rate sweep run
+is the first half of that arm's 20-step run). Per arm, over the seeds (mean, sample standard deviation, min, max):
+- held-out pass@1 and pass@k at every eval;
+- the KL each update moved the policy: `actor/kl_realized`, the exact KL(π_before ‖ π_after) per generated
+  token on the same probe rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
+  rows before and after the AdamW step), its median per step and its running sum (the cumulative KL at each
+  eval counts the updates before it), and pass@1 at equal cumulative KL (each arm's mean curve, interpolated
+  at the smallest final cumulative KL of all arms);
+- train-worker memory (mean of the per-step average, and the peak), updates per hour (median over steps
+  1..N-1: step 0 pays the start-up), the run's wall time.
+Writes OUT/methods.json and OUT/methods.png (pass@1 vs step, pass@1 vs cumulative KL, KL per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from logra_rl.utils.plot import Run, load_run
+
+KL = "actor/kl_realized"
+EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
+DEFAULT_ARMS = {
+    "logra": "optimizer=logra",
+    "dense": "optimizer=dense optimizer.lr=1e-5",
+    "lora": "optimizer=lora optimizer.lr=1e-4",
+}
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / "runs" / arm / f"seed{seed}"
+
+
+def finished(path: Path, steps: int) -> bool:
+    """The run logged its final record (the eval after its last update)."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    lines = metrics.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1]).get("step") == steps
+
+
+def launch(preset: str, overrides: str, steps: int, seed: int, out: Path, arm: str, checkpoint_every: int) -> None:
+    """One `logra-train` run (or the rest of one), its output in OUT/runs/<arm>/seed<k>.log; its wall time,
+    summed over the launches that made it, goes to bench_wall_s.json in the run directory."""
+    path = run_dir(out, arm, seed)
+    command = [
+        str(Path(sys.executable).with_name("logra-train")),
+        f"+experiment={preset}",
+        *shlex.split(overrides),
+        f"trainer.total_steps={steps}",
+        f"trainer.checkpoint_every={checkpoint_every}",
+        f"trainer.seed={seed}",
+        f"trainer.output_dir={out / 'runs'}",
+        f"experiment_name={arm}",
+        f"trainer.run_name=seed{seed}",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[bench_methods] {arm} seed {seed}: {shlex.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(path.parent / f"seed{seed}.log", "a") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"{arm} seed {seed} failed (exit {code}); see {path.parent / f'seed{seed}.log'}")
+    record = path / "bench_wall_s.json"
+    earlier = json.loads(record.read_text())["wall_s"] if record.is_file() else 0.0
+    record.write_text(json.dumps({"wall_s": earlier + wall}))
+
+
+def spread(values: list[float]) -> dict[str, float | int]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def cumulative_kl(run: Run) -> dict[int, float]:
+    """Σ realised KL of the updates before each step (a skipped update moved nothing: 0)."""
+    per_step = {r["step"]: float(r[KL]) for r in run.records if r.get(KL) is not None}
+    total, at = 0.0, {}
+    for step in range(max(r["step"] for r in run.records) + 1):
+        at[step] = total
+        total += per_step.get(step, 0.0)
+    return at
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    cumulative = cumulative_kl(run)
+    evals = {
+        r["step"]: {"pass@1": r[run.pass1_key], "pass@k": r.get(run.passk_key), "cumulative_kl": cumulative[r["step"]]}
+        for r in run.records
+        if run.pass1_key and r.get(run.pass1_key) is not None
+    }
+    rates = [r["perf/updates_per_hour"] for r in run.records[1:] if r.get("perf/updates_per_hour")]
+    wall = run.path / "bench_wall_s.json"
+    return {
+        "evals": evals,
+        "kl_per_step": run.values(KL),
+        "train_memory_avg_gib": statistics.fmean(run.values("memory/train_avg_gib") or [float("nan")]),
+        "train_memory_peak_gib": max(run.values("memory/train_peak_gib") or [float("nan")]),
+        "updates_per_hour": statistics.median(rates) if rates else float("nan"),
+        "wall_s": json.loads(wall.read_text())["wall_s"] if wall.is_file() else None,
+        "skipped_updates": sum(run.values("actor/skipped")),
+    }
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """y at x on the piecewise-linear curve through (xs, ys), xs increasing."""
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def arm_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Mean and spread over seeds, at each eval step every seed logged."""
+    steps = sorted(set.intersection(*(set(r["evals"]) for r in runs.values())))
+    evals = {
+        step: {
+            key: spread([r["evals"][step][key] for r in runs.values()]) for key in ("pass@1", "pass@k", "cumulative_kl")
+        }
+        for step in steps
+        if all(r["evals"][step]["pass@k"] is not None for r in runs.values())
+    }
+    kl = [v for r in runs.values() for v in r["kl_per_step"]]
+    walls = [r["wall_s"] for r in runs.values() if r["wall_s"] is not None]
+    return {
+        "seeds": sorted(runs),
+        "evals": evals,
+        "kl_per_step_median": statistics.median(kl) if kl else None,
+        "train_memory_avg_gib": spread([r["train_memory_avg_gib"] for r in runs.values()]),
+        "train_memory_peak_gib": spread([r["train_memory_peak_gib"] for r in runs.values()]),
+        "updates_per_hour": spread([r["updates_per_hour"] for r in runs.values()]),
+        "wall_s": spread(walls) if walls else None,
+        "skipped_updates": sum(r["skipped_updates"] for r in runs.values()),
+        "runs": runs,
+    }
+
+
+def equal_kl(arms: dict[str, dict[str, Any]]) -> tuple[float, dict[str, float]]:
+    """pass@1 of each arm's mean curve at the smallest final cumulative KL of all arms."""
+    curves = {}
+    for arm, summary in arms.items():
+        points = sorted((e["cumulative_kl"]["mean"], e["pass@1"]["mean"]) for e in summary["evals"].values())
+        curves[arm] = ([x for x, _ in points], [y for _, y in points])
+    common = min(xs[-1] for xs, _ in curves.values())
+    return common, {arm: interpolate(xs, ys, common) for arm, (xs, ys) in curves.items()}
+
+
+def fmt(s: dict[str, float] | None, spec: str = ".3f") -> str:
+    if not s:
+        return "—"
+    return f"{s['mean']:{spec}} ± {s['std']:{spec}}" if s["n"] > 1 else f"{s['mean']:{spec}}"
+
+
+def print_table(arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, float]]) -> None:
+    steps = sorted({step for summary in arms.values() for step in summary["evals"]})
+    table = Table(title="held-out pass@1 (mean ± std over seeds) and what each step cost")
+    for column in (
+        "arm",
+        "seeds",
+        *(f"pass@1 @{s}" for s in steps),
+        "pass@k last",
+        "cum. KL last",
+        "KL/step (median)",
+        f"pass@1 @ KL {at_kl[0]:.2g}",
+        "train GiB avg / peak",
+        "updates/h",
+        "wall/run",
+    ):
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    for arm, s in arms.items():
+        last = s["evals"][max(s["evals"])]
+        wall = s["wall_s"]
+        table.add_row(
+            arm,
+            ",".join(map(str, s["seeds"])),
+            *(fmt(s["evals"][step]["pass@1"]) if step in s["evals"] else "—" for step in steps),
+            fmt(last["pass@k"]),
+            fmt(last["cumulative_kl"], ".2g"),
+            f"{s['kl_per_step_median']:.2g}" if s["kl_per_step_median"] is not None else "—",
+            f"{at_kl[1][arm]:.3f}",
+            f"{s['train_memory_avg_gib']['mean']:.1f} / {s['train_memory_peak_gib']['mean']:.1f}",
+            f"{s['updates_per_hour']['mean']:.0f}",
+            f"{wall['mean'] / 60:.1f} min" if wall else "—",
+        )
+    Console(width=240).print(table)
+
+
+def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_step, by_kl, per_step) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for arm, s in arms.items():
+        steps = sorted(s["evals"])
+        mean = [s["evals"][t]["pass@1"]["mean"] for t in steps]
+        low = [s["evals"][t]["pass@1"]["min"] for t in steps]
+        high = [s["evals"][t]["pass@1"]["max"] for t in steps]
+        (line,) = by_step.plot(steps, mean, marker="o", label=f"{arm} ({len(s['seeds'])} seeds)")
+        by_step.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+        kl = [s["evals"][t]["cumulative_kl"]["mean"] for t in steps]
+        by_kl.errorbar(
+            kl,
+            mean,
+            yerr=[
+                [m - lo for m, lo in zip(mean, low, strict=True)],
+                [hi - m for m, hi in zip(mean, high, strict=True)],
+            ],
+            marker="o",
+            color=line.get_color(),
+            capsize=3,
+            label=arm,
+        )
+        for seed, run in s["runs"].items():
+            values = run["kl_per_step"]
+            per_step.plot(
+                range(len(values)),
+                values,
+                color=line.get_color(),
+                alpha=0.6,
+                lw=1,
+                label=arm if seed == s["seeds"][0] else None,
+            )
+    by_step.set(xlabel="step (updates)", ylabel="held-out pass@1", title="pass@1 vs step (band: min-max over seeds)")
+    by_kl.set(
+        xlabel="cumulative realised KL per token (Σ over updates)",
+        ylabel="held-out pass@1",
+        title="pass@1 vs cumulative KL",
+        xscale="symlog",
+    )
+    by_kl.set_xscale("symlog", linthresh=1e-3)
+    per_step.set(xlabel="step", ylabel="realised KL per token", yscale="log", title="KL each update moved the policy")
+    for axis in (by_step, by_kl, per_step):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+
+
+def parse_arms(values: list[str]) -> dict[str, str]:
+    if not values:
+        return dict(DEFAULT_ARMS)
+    arms = {}
+    for value in values:
+        label, sep, overrides = value.partition("=")
+        if not sep or not label:
+            raise SystemExit(
+                f'--arm {value!r}: write LABEL="key=value ...", e.g. dense="optimizer=dense optimizer.lr=1e-5"'
+            )
+        arms[label] = overrides
+    return arms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="smollm2", help="the +experiment= preset")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--arm", action="append", default=[], help='LABEL="overrides" (repeatable)')
+    parser.add_argument("--out", type=Path, default=Path("bench_results/methods"))
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="a run checkpointed at step 10 extends to 20 without redoing it",
+    )
+    parser.add_argument("--report-only", action="store_true", help="only summarise the finished runs under OUT")
+    args = parser.parse_args()
+    arms = parse_arms(args.arm)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if not args.report_only:
+        for arm, overrides in arms.items():
+            for seed in seeds:
+                if not finished(run_dir(args.out, arm, seed), args.steps):
+                    launch(args.preset, overrides, args.steps, seed, args.out, arm, args.checkpoint_every)
+    summaries = {}
+    for arm in arms:
+        runs = {
+            seed: run_summary(load_run(run_dir(args.out, arm, seed)))
+            for seed in seeds
+            if finished(run_dir(args.out, arm, seed), args.steps)
+        }
+        if runs:
+            summaries[arm] = arm_summary(runs)
+    if not summaries:
+        raise SystemExit(f"no finished runs under {args.out / 'runs'}; run without --report-only first")
+    at_kl = equal_kl(summaries)
+    print_table(summaries, at_kl)
+    setup = {"preset": args.preset, "steps": args.steps, "seeds": seeds, "arms": arms}
+    result = {"setup": setup, "pass@1_at_equal_kl": {"kl": at_kl[0], **at_kl[1]}, "arms": summaries}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "methods.json").write_text(json.dumps(result, indent=2))
+    plot(summaries, args.out / "methods.png")
+    print(f"wrote {args.out / 'methods.json'} and {args.out / 'methods.png'}")
+
+
+if __name__ == "__main__":
+    main()
