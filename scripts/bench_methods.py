@@ -53,12 +53,12 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 
 
 def finished(path: Path, steps: int) -> bool:
-    """The run logged its final record (the eval after its last update)."""
+    """The run logged the record of step `steps` (the eval after its last update) or went further."""
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         return False
     lines = metrics.read_text().splitlines()
-    return bool(lines) and json.loads(lines[-1]).get("step") == steps
+    return bool(lines) and json.loads(lines[-1]).get("step", -1) >= steps
 
 
 def launch(preset: str, overrides: str, steps: int, seed: int, out: Path, arm: str, checkpoint_every: int) -> None:
@@ -109,7 +109,9 @@ def cumulative_kl(run: Run) -> dict[int, float]:
     return at
 
 
-def run_summary(run: Run) -> dict[str, Any]:
+def run_summary(run: Run, steps: int) -> dict[str, Any]:
+    """One run's evals, KL and costs up to step `steps` (a longer run is cut there)."""
+    run = Run(path=run.path, config=run.config, records=[r for r in run.records if r["step"] <= steps])
     cumulative = cumulative_kl(run)
     evals = {
         r["step"]: {"pass@1": r[run.pass1_key], "pass@k": r.get(run.passk_key), "cumulative_kl": cumulative[r["step"]]}
@@ -304,7 +306,7 @@ def main() -> None:
     summaries = {}
     for arm in arms:
         runs = {
-            seed: run_summary(load_run(run_dir(args.out, arm, seed)))
+            seed: run_summary(load_run(run_dir(args.out, arm, seed)), args.steps)
             for seed in seeds
             if finished(run_dir(args.out, arm, seed), args.steps)
         }
