@@ -110,8 +110,13 @@ def cumulative_kl(run: Run) -> dict[int, float]:
 
 
 def run_summary(run: Run, steps: int) -> dict[str, Any]:
-    """One run's evals, KL and costs up to step `steps` (a longer run is cut there)."""
-    run = Run(path=run.path, config=run.config, records=[r for r in run.records if r["step"] <= steps])
+    """One run's evals, KL and costs of its first `steps` updates (a longer run is cut there: of its record at
+    `steps`, only the eval)."""
+    records = [r for r in run.records if r["step"] < steps]
+    records += [
+        {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in run.records if r["step"] == steps
+    ]
+    run = Run(path=run.path, config=run.config, records=records)
     cumulative = cumulative_kl(run)
     evals = {
         r["step"]: {"pass@1": r[run.pass1_key], "pass@k": r.get(run.passk_key), "cumulative_kl": cumulative[r["step"]]}
