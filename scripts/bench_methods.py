@@ -41,10 +41,10 @@ from logra_rl.utils.plot import Run, load_run
 
 KL = "actor/kl_realized"
 EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
-DEFAULT_ARMS = {
+DEFAULT_ARMS = {  # smollm2 and its tuned baselines (the smollm2_dense and smollm2_lora presets)
     "logra": "optimizer=logra",
-    "dense": "optimizer=dense optimizer.lr=1e-5",
-    "lora": "optimizer=lora optimizer.lr=1e-4",
+    "dense": "optimizer=dense optimizer.lr=4e-5",
+    "lora": "optimizer=lora optimizer.lr=1e-3",
 }
 
 
