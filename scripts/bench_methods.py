@@ -3,13 +3,15 @@
     .venv-vllm/bin/python scripts/bench_methods.py                          # smollm2, 20 steps, seeds 1-3
     .venv-vllm/bin/python scripts/bench_methods.py --report-only            # tables and figure from finished runs
     .venv-vllm/bin/python scripts/bench_methods.py --steps 10 --seeds 1 --out bench_results/lr_sweep \\
-        --arm dense_5e-6="optimizer=dense optimizer.lr=5e-6" --arm dense_1e-5="optimizer=dense optimizer.lr=1e-5"
+        --arm dense_lr2e-5="optimizer=dense optimizer.lr=2e-5" --arm dense_lr4e-5="optimizer=dense optimizer.lr=4e-5"
 
-Each arm is a label and its `logra-train` overrides (`--arm LABEL="key=value ..."`, repeatable; the defaults
-are the three tuned arms of docs/benchmarks.md §9). Runs go one at a time (two cores: runs side by side would
-measure contention) into OUT/runs/<arm>/seed<k>/; a run that already logged its final eval is not rerun, an
-unfinished or shorter one resumes from its last checkpoint (every 10 steps: a 10-step learning-rate sweep run
-is the first half of that arm's 20-step run). Per arm, over the seeds (mean, sample standard deviation, min, max):
+Each arm is a label and its `logra-train` overrides on top of `+experiment=<preset>` (`--arm LABEL="key=value
+..."`, repeatable; an arm may name its own `+experiment=`). The default arms are the preset itself (LoGRA) and
+its tuned baselines, the presets `<preset>_dense` and `<preset>_lora`. Runs go one at a time (two cores: runs
+side by side would measure contention) into OUT/runs/<arm>/seed<k>/; a run that already logged its final eval
+is not rerun, an unfinished or shorter one resumes from its last checkpoint (every 10 steps: a 10-step
+learning-rate sweep run is the first half of that arm's 20-step run). Per arm, over the seeds (mean, sample
+standard deviation, min, max):
 - held-out pass@1 and pass@k at every eval;
 - the KL each update moved the policy: `actor/kl_realized`, the exact KL(π_before ‖ π_after) per generated
   token on the same probe rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
@@ -41,11 +43,11 @@ from logra_rl.utils.plot import Run, load_run
 
 KL = "actor/kl_realized"
 EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
-DEFAULT_ARMS = {  # smollm2 and its tuned baselines (the smollm2_dense and smollm2_lora presets)
-    "logra": "optimizer=logra",
-    "dense": "optimizer=dense optimizer.lr=4e-5",
-    "lora": "optimizer=lora optimizer.lr=1e-3",
-}
+
+
+def default_arms(preset: str) -> dict[str, str]:
+    """The preset (LoGRA) and its tuned baselines, the presets `<preset>_dense` and `<preset>_lora`."""
+    return {"logra": "", "dense": f"+experiment={preset}_dense", "lora": f"+experiment={preset}_lora"}
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -65,10 +67,12 @@ def launch(preset: str, overrides: str, steps: int, seed: int, out: Path, arm: s
     """One `logra-train` run (or the rest of one), its output in OUT/runs/<arm>/seed<k>.log; its wall time,
     summed over the launches that made it, goes to bench_wall_s.json in the run directory."""
     path = run_dir(out, arm, seed)
+    arm_overrides = shlex.split(overrides)
+    experiment = [] if any(o.startswith("+experiment=") for o in arm_overrides) else [f"+experiment={preset}"]
     command = [
         str(Path(sys.executable).with_name("logra-train")),
-        f"+experiment={preset}",
-        *shlex.split(overrides),
+        *experiment,
+        *arm_overrides,
         f"trainer.total_steps={steps}",
         f"trainer.checkpoint_every={checkpoint_every}",
         f"trainer.seed={seed}",
@@ -100,8 +104,10 @@ def spread(values: list[float]) -> dict[str, float | int]:
 
 
 def cumulative_kl(run: Run) -> dict[int, float]:
-    """Σ realised KL of the updates before each step (a skipped update moved nothing: 0)."""
-    per_step = {r["step"]: float(r[KL]) for r in run.records if r.get(KL) is not None}
+    """Σ realised KL of the updates before each step (a skipped update moved nothing: 0). With PPO epochs a
+    step logs the mean over its updates: counted `algorithm.epochs` times."""
+    epochs = int(run.config.get("algorithm", {}).get("epochs", 1))
+    per_step = {r["step"]: epochs * float(r[KL]) for r in run.records if r.get(KL) is not None}
     total, at = 0.0, {}
     for step in range(max(r["step"] for r in run.records) + 1):
         at[step] = total
@@ -127,7 +133,7 @@ def run_summary(run: Run, steps: int) -> dict[str, Any]:
     wall = run.path / "bench_wall_s.json"
     return {
         "evals": evals,
-        "kl_per_step": run.values(KL),
+        "kl_per_step": dict(zip(*run.series(KL), strict=True)),  # step -> realised KL of its update
         "train_memory_avg_gib": statistics.fmean(run.values("memory/train_avg_gib") or [float("nan")]),
         "train_memory_peak_gib": max(run.values("memory/train_peak_gib") or [float("nan")]),
         "updates_per_hour": statistics.median(rates) if rates else float("nan"),
@@ -147,13 +153,11 @@ def arm_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Mean and spread over seeds, at each eval step every seed logged."""
     steps = sorted(set.intersection(*(set(r["evals"]) for r in runs.values())))
     evals = {
-        step: {
-            key: spread([r["evals"][step][key] for r in runs.values()]) for key in ("pass@1", "pass@k", "cumulative_kl")
-        }
+        step: {key: spread([r["evals"][step][key] for r in runs.values()]) for key in EVAL_KEYS}
         for step in steps
         if all(r["evals"][step]["pass@k"] is not None for r in runs.values())
     }
-    kl = [v for r in runs.values() for v in r["kl_per_step"]]
+    kl = [v for r in runs.values() for v in r["kl_per_step"].values()]
     walls = [r["wall_s"] for r in runs.values() if r["wall_s"] is not None]
     return {
         "seeds": sorted(runs),
@@ -169,11 +173,16 @@ def arm_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def equal_kl(arms: dict[str, dict[str, Any]]) -> tuple[float, dict[str, float]]:
-    """pass@1 of each arm's mean curve at the smallest final cumulative KL of all arms."""
+    """pass@1 of each arm's mean curve at the smallest final cumulative KL of the arms that measured KL."""
     curves = {}
     for arm, summary in arms.items():
+        if summary["kl_per_step_median"] is None:
+            print(f"[bench_methods] {arm} logged no actor/kl_realized (optimizer.measure_kl=false?): no KL comparison")
+            continue
         points = sorted((e["cumulative_kl"]["mean"], e["pass@1"]["mean"]) for e in summary["evals"].values())
         curves[arm] = ([x for x, _ in points], [y for _, y in points])
+    if not curves:
+        return float("nan"), {}
     common = min(xs[-1] for xs, _ in curves.values())
     return common, {arm: interpolate(xs, ys, common) for arm, (xs, ys) in curves.items()}
 
@@ -210,7 +219,7 @@ def print_table(arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, f
             fmt(last["pass@k"]),
             fmt(last["cumulative_kl"], ".2g"),
             f"{s['kl_per_step_median']:.2g}" if s["kl_per_step_median"] is not None else "—",
-            f"{at_kl[1][arm]:.3f}",
+            f"{at_kl[1][arm]:.3f}" if arm in at_kl[1] else "—",
             f"{s['train_memory_avg_gib']['mean']:.1f} / {s['train_memory_peak_gib']['mean']:.1f}",
             f"{s['updates_per_hour']['mean']:.0f}",
             f"{wall['mean'] / 60:.1f} min" if wall else "—",
@@ -246,10 +255,9 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
             label=arm,
         )
         for seed, run in s["runs"].items():
-            values = run["kl_per_step"]
             per_step.plot(
-                range(len(values)),
-                values,
+                list(run["kl_per_step"]),
+                list(run["kl_per_step"].values()),
                 color=line.get_color(),
                 alpha=0.6,
                 lw=1,
@@ -260,7 +268,6 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
         xlabel="cumulative realised KL per token (Σ over updates)",
         ylabel="held-out pass@1",
         title="pass@1 vs cumulative KL",
-        xscale="symlog",
     )
     by_kl.set_xscale("symlog", linthresh=1e-3)
     per_step.set(xlabel="step", ylabel="realised KL per token", yscale="log", title="KL each update moved the policy")
@@ -272,9 +279,9 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
     plt.close(figure)
 
 
-def parse_arms(values: list[str]) -> dict[str, str]:
+def parse_arms(values: list[str], preset: str) -> dict[str, str]:
     if not values:
-        return dict(DEFAULT_ARMS)
+        return default_arms(preset)
     arms = {}
     for value in values:
         label, sep, overrides = value.partition("=")
@@ -301,7 +308,7 @@ def main() -> None:
     )
     parser.add_argument("--report-only", action="store_true", help="only summarise the finished runs under OUT")
     args = parser.parse_args()
-    arms = parse_arms(args.arm)
+    arms = parse_arms(args.arm, args.preset)
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report_only:
         for arm, overrides in arms.items():
@@ -315,8 +322,11 @@ def main() -> None:
             for seed in seeds
             if finished(run_dir(args.out, arm, seed), args.steps)
         }
-        if runs:
-            summaries[arm] = arm_summary(runs)
+        summary = arm_summary(runs) if runs else None
+        if summary and summary["evals"]:
+            summaries[arm] = summary
+        elif runs:
+            print(f"[bench_methods] {arm}: no eval step logged by every seed with pass@1 and pass@k; left out")
     if not summaries:
         raise SystemExit(f"no finished runs under {args.out / 'runs'}; run without --report-only first")
     at_kl = equal_kl(summaries)

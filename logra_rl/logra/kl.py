@@ -326,7 +326,7 @@ def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor, group: Any = None)
         raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
     kl = float(total / count)
     if not (math.isfinite(kl) and kl >= 0):
-        raise FloatingPointError(f"a KL measurement returned {kl}; the step is refused")
+        raise FloatingPointError(f"a KL measurement returned {kl}")
     return kl
 
 

@@ -221,6 +221,8 @@ def _train_ranks(config: RunConfig, model: ModelFootprint, lengths: Lengths, cud
     responses = min(tokens, _rank_rows(config) * config.data.max_response_length)  # log-probs of response tokens
     parts += [Part("logits", _logits(model, responses, c), TRAINING)]
     parts += [Part("KL probe", _probe(config, model, lengths.sequence, c), TRAINING)]
+    if optimizer != "logra" and config.optimizer.measure_kl:
+        parts += [Part("KL probe logits", _kept_logits(config, model), TRAINING, on_host=cuda)]
     transients = sum(p.nbytes for p in parts if p.phase == TRAINING)
     parts += [Part("allocator slack", (SLACK - 1) * transients, TRAINING)]
     if cuda:
@@ -272,12 +274,20 @@ def _logits(model: ModelFootprint, responses: int, c: int) -> float:
     return positions * model.vocab * (c + 3 * 4)
 
 
+def _kept_logits(config: RunConfig, model: ModelFootprint) -> float:
+    """A dense or LoRA step's KL is measured against the policy's logits before it, kept in fp32 (on the host
+    on a GPU node) at the probe rows' generated-token predictions."""
+    kl = config.logra.kl
+    return 4 * kl.probe_responses * min(config.data.max_response_length, kl.probe_max_tokens) * model.vocab
+
+
 def _probe(config: RunConfig, model: ModelFootprint, sequence: int, c: int) -> float:
     """LoGRA's KL probe: `probe_responses` whole rows run without gradients, one layer's intermediates at a
     time, their final hidden states kept for the stepped pass. The JVP estimator also carries a tangent for
     each, and its attention runs on SDPA's math backend (no fused kernel has a forward-AD rule): scores,
-    probabilities and their tangents, rows × heads × length² for one layer at a time. Dense and LoRA steps do
-    not probe."""
+    probabilities and their tangents, rows × heads × length² for one layer at a time. Dense and LoRA steps
+    measure their realised KL with no-grad forwards of the same rows, once the backward's activations are
+    freed (`_kept_logits` is what they hold)."""
     if config.optimizer.name != "logra":
         return 0.0
     kl = config.logra.kl

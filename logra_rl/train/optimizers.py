@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,8 +35,9 @@ from logra_rl.utils.shards import full_tensor
 
 @dataclass(frozen=True)
 class KLProbe:
-    """The rows LoGRA measures a proposal on: `forward(input_ids)` runs the policy to its logits, or to
-    its final hidden states when `head` (the LM head, applied by the probe in chunks of positions) is set."""
+    """The rows an update's KL is measured on (LoGRA's proposal, a dense or LoRA step): `forward(input_ids)`
+    runs the policy to its logits, or to its final hidden states when `head` (the LM head, applied by the probe
+    in chunks of positions) is set."""
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     input_ids: torch.Tensor
@@ -51,7 +53,7 @@ class UpdateInputs:
     num_tokens: float  # loss tokens over all ranks
     mismatch_sum: float  # Σ log π_rollout − log π_train over completed responses' tokens (0 after epoch 0)
     mismatch_tokens: int
-    probe: Callable[[], KLProbe]  # built only by a rule that probes (LoGRA), not on the dense path
+    probe: Callable[[], KLProbe]  # built only by a rule that measures KL (LoGRA; dense and LoRA with measure_kl)
 
 
 Outcome = UpdatePayload | FullResync | NoChange
@@ -134,31 +136,47 @@ class DenseUpdate:
         metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
         if not skipped:
             probe = inputs.probe() if self.measure_kl else None
-            start = time.perf_counter()
-            before = [logits.cpu() for logits in self._probe_logits(probe)] if probe else []  # off the GPU
+            if probe:
+                start = time.perf_counter()
+                with self._probe_pass(probe) as logits:
+                    before = [chunk.cpu() for chunk in logits]  # off the GPU until the step is done
+                seconds = time.perf_counter() - start
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             self.update_count += 1
             if probe:
-                total, count = logits_kl(before, self._probe_logits(probe), self.temperature, probe.input_ids.device)
-                metrics["actor/kl_realized"] = reduced_mean_kl(total, count)
-                metrics["timing_s/probe"] = time.perf_counter() - start
+                start = time.perf_counter()
+                metrics |= self._realized_kl(probe, before)
+                metrics["timing_s/probe"] = seconds + time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
         return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
 
-    def _probe_logits(self, probe: KLProbe) -> Iterator[torch.Tensor]:
-        """The policy's logits at the probe rows' generated-token predictions, as the engines run it (no
-        dropout, SDPA's math kernel as in LoGRA's probe): before and after the step, the realised KL's two sides."""
+    @contextmanager
+    def _probe_pass(self, probe: KLProbe) -> Iterator[Iterator[torch.Tensor]]:
+        """The policy's forward on the probe rows as the engines run it (no dropout; SDPA's math kernel, as in
+        LoGRA's probe), on every rank (FSDP2's forward is a collective); yields its logits at the generated-token
+        predictions, chunk by chunk. The root is resharded after the block: a forward-only pass leaves it
+        gathered, and a step taken then would leave the gathered copy stale."""
         self.model.eval()
         try:
             with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
                 features = probe.forward(probe.input_ids)
-                yield from masked_logits(features, probe.loss_mask, probe.head)
+            yield masked_logits(features, probe.loss_mask, probe.head)
         finally:
             self.model.train()
             if isinstance(self.model, FSDPModule):
-                self.model.reshard()  # a forward-only pass leaves the root gathered: the step must not go stale
+                self.model.reshard()
+
+    def _realized_kl(self, probe: KLProbe, before: list[torch.Tensor]) -> dict[str, float]:
+        """`actor/kl_realized` of the step just taken, or nothing when the probe could not measure it (no
+        generated token, a non-finite KL): the step stands either way, only its measurement is missing."""
+        with self._probe_pass(probe) as after:
+            total, count = logits_kl(before, after, self.temperature, probe.input_ids.device)
+        try:
+            return {"actor/kl_realized": reduced_mean_kl(total, count)}  # all-reduced: every rank agrees
+        except (ProbeError, FloatingPointError):
+            return {}
 
     def save(self, directory: Path) -> None:
         """AdamW moments sharded with torch.distributed.checkpoint (a collective); the count on rank 0."""

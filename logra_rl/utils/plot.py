@@ -21,6 +21,7 @@ from matplotlib.patches import Patch
 
 DASH = "—"
 KL_REALIZED, KL_PREDICTED, KL_BUDGET = "actor/kl_realized", "logra/kl_predicted", "logra/kl_budget"
+OLD_KL_REALIZED = "logra/kl_realized"  # LoGRA's name for it before dense and LoRA logged it too
 REFUSED = "logra/overshoot_refused"
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
@@ -364,6 +365,8 @@ def _read_records(metrics: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{metrics} line {number} is not JSON ({error.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
             raise ValueError(f"{metrics} line {number} is not a metrics record (a JSON object with a 'step' key)")
+        if OLD_KL_REALIZED in record and KL_REALIZED not in record:  # a run from before every rule logged it
+            record[KL_REALIZED] = record.pop(OLD_KL_REALIZED)
         records.append(record)
     return records
 

@@ -89,7 +89,7 @@ def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
     where = loss_mask[:, 1:].bool()
     want = exact_kl(before[:, :-1][where], after[:, :-1][where], config.rollout.temperature).mean()
     assert want > 1e-3  # the step moved the policy measurably
-    assert metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-9)
+    assert metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-6)
     assert model.training  # the probe's eval mode is undone
 
 

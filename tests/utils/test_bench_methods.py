@@ -56,6 +56,7 @@ def test_a_bad_arm_names_the_form_it_takes():
     spec = importlib.util.spec_from_file_location("bench_methods", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.parse_arms(["dense=optimizer=dense"]) == {"dense": "optimizer=dense"}
+    assert module.parse_arms(["dense=optimizer=dense"], "smollm2") == {"dense": "optimizer=dense"}
+    assert module.parse_arms([], "smollm2")["lora"] == "+experiment=smollm2_lora"  # the tuned baseline's preset
     with pytest.raises(SystemExit, match=r'LABEL="key=value \.\.\."'):
-        module.parse_arms(["optimizer.lr"])
+        module.parse_arms(["optimizer.lr"], "smollm2")
