@@ -17,10 +17,12 @@ standard deviation, min, max):
   token on the same probe rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
   rows before and after the AdamW step), its median per step and its running sum (the cumulative KL at each
   eval counts the updates before it), and pass@1 at equal cumulative KL (each arm's mean curve, interpolated
-  at the smallest final cumulative KL of all arms);
-- train-worker memory (mean of the per-step average, and the peak), updates per hour (median over steps
-  1..N-1: step 0 pays the start-up), the run's wall time.
-Writes OUT/methods.json and OUT/methods.png (pass@1 vs step, pass@1 vs cumulative KL, KL per step).
+  at the smallest final cumulative KL of all arms), and, with one point per step, the train reward (3-step
+  mean) against cumulative KL, compared at the largest cumulative KL every run reached;
+- train-worker memory (mean of the per-step average, and the peak), updates per hour (3600 / the median time of
+  the steps 1..N-1 that committed an update: step 0 pays the start-up), the run's wall time.
+Writes OUT/methods.json and OUT/methods.png (pass@1 vs step and vs cumulative KL, train reward vs cumulative
+KL, KL per step).
 """
 
 from __future__ import annotations
@@ -129,21 +131,34 @@ def run_summary(run: Run, steps: int) -> dict[str, Any]:
         for r in run.records
         if run.pass1_key and r.get(run.pass1_key) is not None
     }
-    rates = [r["perf/updates_per_hour"] for r in run.records[1:] if r.get("perf/updates_per_hour")]
+    # steps that committed an update (at a task's ceiling every advantage is 0 and a step skips its update in
+    # a fraction of the time: `perf/updates_per_hour` of such steps counts updates that did not happen)
+    trained = [r["timing_s/step"] for r in run.records[1:] if r.get("timing_s/step") and r.get("actor/skipped") == 0]
     wall = run.path / "bench_wall_s.json"
     return {
         "evals": evals,
         "kl_per_step": dict(zip(*run.series(KL), strict=True)),  # step -> realised KL of its update
         "train_memory_avg_gib": statistics.fmean(run.values("memory/train_avg_gib") or [float("nan")]),
         "train_memory_peak_gib": max(run.values("memory/train_peak_gib") or [float("nan")]),
-        "updates_per_hour": statistics.median(rates) if rates else float("nan"),
+        "updates_per_hour": 3600 / statistics.median(trained) if trained else float("nan"),
         "wall_s": json.loads(wall.read_text())["wall_s"] if wall.is_file() else None,
         "skipped_updates": sum(run.values("actor/skipped")),
+        "reward_by_kl": reward_by_kl(run, cumulative),
     }
+
+
+def reward_by_kl(run: Run, cumulative: dict[int, float]) -> list[tuple[float, float]]:
+    """(cumulative KL before the step, train reward of the step averaged over it and its two neighbours), one
+    point per step: the step-by-step view of learning against KL that evals every few steps cannot give."""
+    steps, rewards = run.series("reward/mean")
+    smooth = [statistics.fmean(rewards[max(i - 1, 0) : i + 2]) for i in range(len(rewards))]
+    return [(cumulative[step], value) for step, value in zip(steps, smooth, strict=True)]
 
 
 def interpolate(xs: list[float], ys: list[float], x: float) -> float:
     """y at x on the piecewise-linear curve through (xs, ys), xs increasing."""
+    if len(xs) == 1:
+        return ys[0]
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -172,6 +187,28 @@ def arm_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def reward_at_kl(arms: dict[str, dict[str, Any]]) -> tuple[float, dict[str, dict[str, float]]]:
+    """Train reward of each arm (mean and spread over its seeds) at the largest cumulative KL every run reached:
+    each run's reward-vs-KL curve interpolated there (a curve is cut where its KL stops growing)."""
+    curves = {arm: [run["reward_by_kl"] for run in s["runs"].values()] for arm, s in arms.items()}
+    reached = [max(x for x, _ in curve) for runs in curves.values() for curve in runs if curve]
+    if not reached or min(reached) <= 0:
+        return float("nan"), {}
+    common = min(reached)
+    at = {}
+    for arm, runs in curves.items():
+        values = []
+        for curve in runs:
+            xs, ys = [], []
+            for x, y in curve:  # keep the first point at each KL: steps that moved nothing add none
+                if not xs or x > xs[-1]:
+                    xs.append(x)
+                    ys.append(y)
+            values.append(interpolate(xs, ys, common))
+        at[arm] = spread(values)
+    return common, at
+
+
 def equal_kl(arms: dict[str, dict[str, Any]]) -> tuple[float, dict[str, float]]:
     """pass@1 of each arm's mean curve at the smallest final cumulative KL of the arms that measured KL."""
     curves = {}
@@ -193,7 +230,9 @@ def fmt(s: dict[str, float] | None, spec: str = ".3f") -> str:
     return f"{s['mean']:{spec}} ± {s['std']:{spec}}" if s["n"] > 1 else f"{s['mean']:{spec}}"
 
 
-def print_table(arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, float]]) -> None:
+def print_table(
+    arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, float]], reward_kl: tuple[float, dict]
+) -> None:
     steps = sorted({step for summary in arms.values() for step in summary["evals"]})
     table = Table(title="held-out pass@1 (mean ± std over seeds) and what each step cost")
     for column in (
@@ -204,6 +243,7 @@ def print_table(arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, f
         "cum. KL last",
         "KL/step (median)",
         f"pass@1 @ KL {at_kl[0]:.2g}",
+        f"train reward @ KL {reward_kl[0]:.2g}",
         "train GiB avg / peak",
         "updates/h",
         "wall/run",
@@ -220,6 +260,7 @@ def print_table(arms: dict[str, dict[str, Any]], at_kl: tuple[float, dict[str, f
             fmt(last["cumulative_kl"], ".2g"),
             f"{s['kl_per_step_median']:.2g}" if s["kl_per_step_median"] is not None else "—",
             f"{at_kl[1][arm]:.3f}" if arm in at_kl[1] else "—",
+            fmt(reward_kl[1].get(arm)),
             f"{s['train_memory_avg_gib']['mean']:.1f} / {s['train_memory_peak_gib']['mean']:.1f}",
             f"{s['updates_per_hour']['mean']:.0f}",
             f"{wall['mean'] / 60:.1f} min" if wall else "—",
@@ -233,7 +274,7 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (by_step, by_kl, per_step) = plt.subplots(1, 3, figsize=(16, 4.5))
+    figure, ((by_step, by_kl), (reward, per_step)) = plt.subplots(2, 2, figsize=(13, 9))
     for arm, s in arms.items():
         steps = sorted(s["evals"])
         mean = [s["evals"][t]["pass@1"]["mean"] for t in steps]
@@ -255,6 +296,13 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
             label=arm,
         )
         for seed, run in s["runs"].items():
+            reward.plot(
+                *zip(*run["reward_by_kl"], strict=True),
+                color=line.get_color(),
+                alpha=0.7,
+                lw=1,
+                label=arm if seed == s["seeds"][0] else None,
+            )
             per_step.plot(
                 list(run["kl_per_step"]),
                 list(run["kl_per_step"].values()),
@@ -270,8 +318,14 @@ def plot(arms: dict[str, dict[str, Any]], output: Path) -> None:
         title="pass@1 vs cumulative KL",
     )
     by_kl.set_xscale("symlog", linthresh=1e-3)
+    reward.set(
+        xlabel="cumulative realised KL per token before the step",
+        ylabel="train reward (3-step mean)",
+        title="train reward vs cumulative KL (one line per seed)",
+    )
+    reward.set_xscale("symlog", linthresh=1e-3)
     per_step.set(xlabel="step", ylabel="realised KL per token", yscale="log", title="KL each update moved the policy")
-    for axis in (by_step, by_kl, per_step):
+    for axis in (by_step, by_kl, reward, per_step):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
@@ -329,10 +383,15 @@ def main() -> None:
             print(f"[bench_methods] {arm}: no eval step logged by every seed with pass@1 and pass@k; left out")
     if not summaries:
         raise SystemExit(f"no finished runs under {args.out / 'runs'}; run without --report-only first")
-    at_kl = equal_kl(summaries)
-    print_table(summaries, at_kl)
+    at_kl, reward_kl = equal_kl(summaries), reward_at_kl(summaries)
+    print_table(summaries, at_kl, reward_kl)
     setup = {"preset": args.preset, "steps": args.steps, "seeds": seeds, "arms": arms}
-    result = {"setup": setup, "pass@1_at_equal_kl": {"kl": at_kl[0], **at_kl[1]}, "arms": summaries}
+    result = {
+        "setup": setup,
+        "pass@1_at_equal_kl": {"kl": at_kl[0], **at_kl[1]},
+        "train_reward_at_equal_kl": {"kl": reward_kl[0], **reward_kl[1]},
+        "arms": summaries,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "methods.json").write_text(json.dumps(result, indent=2))
     plot(summaries, args.out / "methods.png")

@@ -20,7 +20,7 @@ def write_run(path: Path, kl: list[float], pass1: dict[int, float]) -> None:
     for step in range(len(kl) + 1):
         record: dict = {"step": step}
         if step < len(kl):
-            record |= {"reward/mean": 0.5, "actor/kl_realized": kl[step], "perf/updates_per_hour": 100.0 + step}
+            record |= {"reward/mean": 0.1 * step, "actor/kl_realized": kl[step], "timing_s/step": 10.0 + step}
             record |= {"memory/train_avg_gib": 2.0, "memory/train_peak_gib": 3.0 + step, "actor/skipped": 0.0}
         if step in pass1:
             record |= {"eval/products/pass@1": pass1[step], "eval/products/pass@4": min(1.0, 2 * pass1[step])}
@@ -47,8 +47,13 @@ def test_report_means_seeds_and_compares_at_equal_cumulative_kl(tmp_path):
     assert b["evals"]["4"]["cumulative_kl"]["mean"] == pytest.approx(0.004)
     # equal KL: b's final 0.004 is the smaller; a's mean curve (0 → 0.4, 0.03 → 0.55) gives 0.42 there
     assert report["pass@1_at_equal_kl"] == pytest.approx({"kl": 0.004, "a": 0.42, "b": 0.55})
+    # train reward (3-step mean, one point per step) at the largest KL every run reached: b's 0.003 before step 3;
+    # a: 0.05 at KL 0 and 0.1 at its step 1 (KL 0.01, seed 2: 0.03), so 0.065 and 0.055 there; b: 0.25 (steps 2, 3)
+    reward = report["train_reward_at_equal_kl"]
+    assert reward["kl"] == pytest.approx(0.003)
+    assert reward["a"]["mean"] == pytest.approx(0.06) and reward["b"]["mean"] == pytest.approx(0.25)
     assert b["train_memory_peak_gib"]["mean"] == pytest.approx(6.0)  # max over steps 0..3, not the cut steps
-    assert a["updates_per_hour"]["mean"] == pytest.approx(102.0)  # median over steps 1..3
+    assert a["updates_per_hour"]["mean"] == pytest.approx(3600 / 12.0)  # median step time over steps 1..3
     assert (out / "methods.png").stat().st_size > 10_000
 
 
