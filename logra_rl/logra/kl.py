@@ -210,19 +210,6 @@ def _chunk_logits(features: torch.Tensor, chunk: slice, head: HeadFn | None) -> 
     return part if head is None else head(part)
 
 
-def _masked_sum(
-    per_position: Callable[[slice], torch.Tensor], positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum a per-position float64 quantity over the masked positions, in chunks of positions."""
-    total = torch.zeros((), dtype=torch.float64, device=positions.device)
-    for start in range(0, positions.shape[1], POSITION_CHUNK):
-        chunk = slice(start, start + POSITION_CHUNK)
-        mask = positions[:, chunk]
-        if mask.any():
-            total += per_position(chunk)[mask].sum()
-    return total, positions.sum().to(torch.float64)
-
-
 @dataclass(frozen=True)
 class ProbeSums:
     """A probe's Σ KL over the masked positions, their count, and the unstepped forward it ran."""
@@ -253,11 +240,12 @@ def jvp_kl(
                 "activations or run the targets under a different module instance?"
             )
 
-        def chunk_kl(chunk: slice) -> torch.Tensor:
-            primal, tangent = fwAD.unpack_dual(_chunk_logits(features, chunk, head))
-            return predicted_kl(primal, tangent, temperature)
-
-        total, count = _masked_sum(chunk_kl, _target_positions(loss_mask))
+        total = torch.zeros((), dtype=torch.float64, device=features.device)
+        count = 0
+        for logits in masked_logits(features, loss_mask, head):  # dual tensors: logits and their tangent
+            total += predicted_kl(*fwAD.unpack_dual(logits)[:2], temperature).sum()
+            count += logits.shape[0]
+        count = torch.tensor(float(count), dtype=torch.float64, device=features.device)
         primal = fwAD.unpack_dual(features).primal  # stays valid after the dual level: the unstepped forward
     return ProbeSums(total, count, record.base(primal))
 

@@ -115,7 +115,6 @@ class DenseUpdate:
         )
         self.model = model
         self.update_count = 0
-        self.measure_kl = self.config.measure_kl
         self.temperature = config.rollout.temperature
 
     @staticmethod
@@ -135,7 +134,7 @@ class DenseUpdate:
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
         metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
         if not skipped:
-            probe = inputs.probe() if self.measure_kl else None
+            probe = inputs.probe() if self.config.measure_kl else None
             if probe:
                 start = time.perf_counter()
                 with self._probe_pass(probe) as logits:
