@@ -332,4 +332,5 @@ class Controller:
             console.print(f"[logra-train] metrics: {self.metrics.path}  plot: {png}")
 
     def teardown(self) -> None:
+        self.preemption.shutting_down = True
         self._resources.close()

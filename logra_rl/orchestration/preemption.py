@@ -2,7 +2,9 @@
 
 The first signal is only noted; the step loop looks at it at its safe points (a step's start, and after the
 step's generation, before anything trains) and stops there with a checkpoint of the step it reached. A second
-signal exits at once. No signal ever prints a traceback.
+signal exits at once, unless the run is already shutting down (Ray and the workers): then that shutdown is the
+quickest way out, and an exit raised inside it (often inside a finalizer) would only print a traceback and leave
+processes behind. No signal ever prints a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.shutting_down = False  # set by the run once it has begun to stop its processes
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Preemption:
@@ -55,6 +58,9 @@ class Preemption:
         return 128 + (self.signal or 0)
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.signal is not None and self.shutting_down:
+            os.write(sys.stderr.fileno(), b"\n[logra-train] already shutting down Ray and the workers\n")
+            return
         if self.signal is not None:
             raise SystemExit(128 + number)  # the second signal: leave now (the run's teardown still runs)
         self.signal = number
