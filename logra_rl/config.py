@@ -60,7 +60,12 @@ class RolloutConfig:
     n: int = 1  # responses per prompt (GRPO groups when > 1)
     temperature: float = 1.0
     top_p: float = 1.0
-    resync_every: int = 50  # full weight resync every K steps (0: only at start, on resume and after a refusal)
+    # full weight resync every K steps; 0: only when something is wrong (at start, on resume, after a refused
+    # payload, a restarted engine or a drift probe that reads a difference an exact merge cannot leave)
+    resync_every: int = 0
+    # a LoGRA run whose engines cannot merge payloads in place stops at start-up with the reason, unless this
+    # is true: then every update is a full resync of the fp32 weights (minutes a step at 7B and up)
+    allow_resync_fallback: bool = False
     resync_bucket_mb: float = 128  # a full resync streams the fp32 master in buckets of about this size
     probe_coordinates: int = 16  # drift probe: weight coordinates compared per target each step
     eval_temperature: float = 0.7
@@ -176,7 +181,9 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    """`address`: null starts a local Ray (logical GPUs on a CPU machine); `auto` or host:port joins a cluster.
+    """`address`: null joins the Ray cluster running on this node (`ray start`, as verl does), else starts a
+    private local Ray (logical GPUs on a CPU machine); `local` always starts a private one; `auto` or host:port
+    joins that cluster.
 
     `object_store_mb`: a local Ray's shared-memory object store. Its pages stay used memory once written,
     until Ray exits, so on a machine without CUDA it defaults to what a run keeps in flight (three full-resync

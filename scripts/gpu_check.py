@@ -1,77 +1,92 @@
-"""What only a GPU can show, in one short run: prints a table, writes JSON, fails on any failed check.
+"""What only a GPU can show, in one short run (v2): prints a table, writes JSON, fails on any failed check.
 
-    python scripts/gpu_check.py --out DIR                        # on one CUDA GPU, a few minutes
-    python scripts/gpu_check.py --device cpu --small --out DIR   # the same code paths on a CPU, small shapes
+    python scripts/gpu_check.py --out DIR                        # one CUDA GPU, Qwen2.5-7B shapes (budget: 4 min, H200)
+    python scripts/gpu_check.py --device cpu --small --out DIR   # the same code paths on a CPU, small shapes (CI)
 
-It needs only torch, transformers, peft, safetensors, numpy and psutil (what a bare GPU machine
-has: no Hydra, OmegaConf, Ray or vLLM), and finds the project from its own path. It writes
-DIR/gpu_check.json, prints one line per failed check and exits 1 if any failed.
+It needs only torch, transformers, safetensors, peft, numpy, pyyaml, rich and psutil (what a bare GPU machine
+has: no Hydra, OmegaConf, Ray or vLLM), finds the project from its own path, and builds every model directly on
+the device. Every setting it does not have to choose comes from the project's config objects (`LoGRAConfig()`,
+`RunConfig()`'s groups, the `model=hf` preset, `EngineSpec.from_config` for what an engine merges with), so it
+checks the shipped defaults. Each section is timed and runs on when another fails; DIR/gpu_check.json is
+rewritten after every section; one `FAILED ...` line per failed check or failed section, exit status 1 if any.
 
-1. FSDP2 (nccl on CUDA) with bf16 compute and fp32 masters: one LoGRA step; the bf16-autocast
-   sketches vs the fp32 dense gradient sketched with the same A (relative error).
-2. Kernels: forward + backward of one decoder layer with LoGRA sketches vs with dense weight
-   gradients; the JVP KL probe.
-3. Peak memory of one full training step, dense AdamW vs LoGRA (r = 64, 256), on a
-   Qwen2.5-1.5B-shaped model (fp32 masters, bf16 autocast, activation checkpointing).
-4. In-place apply of one payload into a Qwen2.5-7B-shaped decoder layer (bf16 + fp32 residual), and
-   its bit-equality with the trainer-side merge of the same updates cut into other row shards and chunks.
-5. TrainWorker set-up on the device: rank-0 load, meta-device build, FSDP2, broadcast of the
-   shards and buffers; its full state (and its resync buckets) must equal the checkpoint exactly,
-   and its log-probs (fp32 compute) must match a plain fp32 model's.
-
-6. Projections drawn on the device vs on the CPU, and one whole-model redraw on the device.
-7. KL under bf16 autocast: the finite-difference q and the realised KL against the fp32 JVP and
-   the fp32 realised KL; on CUDA, a CUDA graph captured around a linear replays an in-place merge;
-   the 7B-shaped peak memory of dense AdamW vs LoGRA (an out-of-memory is recorded as "OOM").
-
-Checks (each must hold): worker state and buckets exact; worker log-probs within 1e-3 of the
-reference; bf16 sketch error below 5% of the fp32 dense gradient's sketch; the in-place apply's
-bf16 weights equal bf16 of an fp32 master merged the trainer's way, bit for bit; device projections
-equal the CPU's; bf16 KLs within 0.8–1.25 of fp32; on CUDA, the graph replay sees the merge, and
-the peak memory of a LoGRA step is below the dense AdamW step's.
+Sections, in order (`--only a,b` runs some of them; the worker sections run together):
+  versions      torch, CUDA, NCCL, driver (nvidia-smi), GPU, host.
+  projections   A drawn on the device equals A drawn on the CPU bit for bit; a whole-model redraw (28 × 7 targets).
+  sketch_bf16   bf16-autocast sketches vs the fp32 dense gradient times Aᵀ (relative error < 5%; small model).
+  kl_bf16       finite-difference q, realised KL and the KL guard's KL under bf16 within 0.8–1.25 of fp32 (small).
+  worker        the project's TrainWorker on a Qwen2.5-7B-shaped model cut to 2 layers (hidden 3584, 28 / 4 heads,
+                intermediate 18944, vocab 152064), fp32 masters written to a checkpoint and set up the trainer's way
+                (rank-0 load, meta build, FSDP2 over nccl, broadcast): every resync bucket equals the checkpoint.
+  step          one bf16 `train_step` on an 8,192-token batch (2 rows × 4,096; `trainer.micro_batch_tokens`), the
+                JVP KL probe on `kl.probe_responses` rows × `kl.probe_max_tokens` tokens, the guard, the commit and
+                `to_bytes`: step and phase times, peak memory, payload size, (de)serialisation times.
+  merge         that payload merged into a bf16 + tail copy of the targets (the engines' residual and chunk rows)
+                equals split_master of the trainer's fp32 master bit for bit; untargeted weights did not move.
+  dcp           the worker's save / load (torch.distributed.checkpoint) restores its state and RowAdam moments exactly.
+  tp_layouts    one 7B layer in vLLM's TP 1 / 2 / 4 local layouts (fused qkv and gate_up row blocks, o / down
+                column blocks; `rollout.vllm_layout`), bf16 + tail: two payloads merged rank by rank give the bits
+                of the unsharded merge, weights and tails.
+  compiled      a torch.compile'd 7B decoder layer captured in a CUDA graph (CPU: compiled, no graph) replays an
+                in-place merge: its output equals the eager layer's with the merged weights.
+  merge_7b      a full Qwen2.5-7B payload (28 layers × 7 targets at the default rank): to_bytes, from_bytes and
+                PayloadMerger.apply into bf16 + tail on the device, timed.
+  memory_7b     peak GPU memory of one step of the whole Qwen2.5-7B model, dense AdamW vs LoGRA (fp32 masters,
+                bf16 autocast, activation checkpointing; an out-of-memory is recorded as "OOM"); LoGRA must peak
+                below dense. CUDA only at full size.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
+import gc
 import json
+import math
 import os
+import platform
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, without PYTHONPATH or an install
 
+import psutil
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import transformers
+import yaml
+from rich.console import Console
+from rich.table import Table
+from safetensors import safe_open
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import logra_rl.configs
+from logra_rl.config import OptimizerConfig, RunConfig, TrainerConfig
 from logra_rl.logra import (
     LoGRAConfig,
     LoGRAOptimizer,
+    MergeTarget,
     PayloadEntry,
     PayloadMerger,
     UpdatePayload,
     hf_targets,
+    join_master,
     make_projection,
-    merge_low_rank_,
     projection_fingerprint,
+    split_master,
 )
+from logra_rl.rollout import EngineSpec
 
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
+BUDGET_S = 240  # the whole full-size run on one H200
 SHAPES = {
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
     "qwen2.5-7b": dict(
         hidden_size=3584,
         intermediate_size=18944,
@@ -89,11 +104,181 @@ SHAPES = {
         vocab_size=1024,
     ),
 }
+LEAVES = {  # HF leaf → (rows, cols) as functions of (hidden, intermediate, q width, kv width)
+    "self_attn.q_proj": lambda h, i, q, kv: (q, h),
+    "self_attn.k_proj": lambda h, i, q, kv: (kv, h),
+    "self_attn.v_proj": lambda h, i, q, kv: (kv, h),
+    "self_attn.o_proj": lambda h, i, q, kv: (h, q),
+    "mlp.gate_proj": lambda h, i, q, kv: (i, h),
+    "mlp.up_proj": lambda h, i, q, kv: (i, h),
+    "mlp.down_proj": lambda h, i, q, kv: (h, i),
+}
+SECTIONS = (
+    "versions",
+    "projections",
+    "sketch_bf16",
+    "kl_bf16",
+    "worker",
+    "step",
+    "merge",
+    "dcp",
+    "tp_layouts",
+    "compiled",
+    "merge_7b",
+    "memory_7b",
+)
+WORKER_SECTIONS = ("worker", "step", "merge", "dcp")
 
 
-def model_of(shape: dict, layers: int | None = None) -> Qwen2ForCausalLM:
-    config = Qwen2Config(**{**shape, **({"num_hidden_layers": layers} if layers else {})}, tie_word_embeddings=False)
-    return Qwen2ForCausalLM(config).float()
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The sizes of one run: the Qwen2.5-7B shapes on a GPU, small ones for a CPU smoke run."""
+
+    small: bool
+    shape: dict
+    logra: LoGRAConfig
+    worker_layers: int  # decoder layers of the TrainWorker's model
+    batch_rows: int
+    batch_length: int  # tokens per row of the step's batch
+    merge_layers: int  # decoder layers of the full-size payload (merge_7b)
+    compile_tokens: int
+    memory_tokens: int
+
+    @classmethod
+    def build(cls, small: bool, tokens: int | None = None, merge_layers: int | None = None) -> Plan:
+        logra = LoGRAConfig()
+        rows = logra.kl.probe_responses  # every row of the batch is probed
+        if small:  # the default rank exceeds the small model's widths; every other LoGRA setting is the default
+            logra = dataclasses.replace(logra, rank=32)
+        length = tokens or (128 if small else TrainerConfig().micro_batch_tokens // rows)
+        shape = SHAPES["small" if small else "qwen2.5-7b"]
+        return cls(
+            small=small,
+            shape=shape,
+            logra=logra,
+            worker_layers=2,
+            batch_rows=rows,
+            batch_length=length,
+            merge_layers=merge_layers or shape["num_hidden_layers"],
+            compile_tokens=32 if small else 128,
+            memory_tokens=128 if small else 2048,
+        )
+
+
+class Context:
+    """What the sections share: the plan, the device, a scratch directory, and the worker's state."""
+
+    def __init__(self, plan: Plan, device: torch.device, scratch: Path) -> None:
+        self.plan, self.device, self.scratch = plan, device, scratch
+        self.worker = None
+        self.config: RunConfig | None = None
+        self.spec: EngineSpec | None = None
+        self.checkpoint: dict[str, str] = {}  # state-dict key → safetensors file of the worker's checkpoint
+        self.target_keys: tuple[str, ...] = ()
+        self.before: dict[str, torch.Tensor] = {}  # the targets' fp32 masters before the step (CPU)
+        self.after: dict[str, torch.Tensor] = {}  # and after it
+        self.merger: PayloadMerger | None = None
+        self.payload: UpdatePayload | None = None
+
+    def need(self, *names: str) -> None:
+        missing = [name for name in names if not getattr(self, name)]
+        if missing:
+            raise RuntimeError(f"skipped: needs {', '.join(missing)} from an earlier section, which did not finish")
+
+
+class Report:
+    """Values, checks and per-section times; the JSON is rewritten after every section."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path = path
+        self.data = {"meta": meta, "versions": {}, "sections": {}, "values": {}, "checks": {}, "failed_checks": []}
+        self.rows: list[tuple[str, str, str, str]] = []
+        self.section = "-"
+        self.start = time.perf_counter()
+
+    def value(self, name: str, value, unit: str = "") -> None:
+        key = f"{self.section}/{name}"
+        self.data["values"][key] = value
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        self.rows.append((self.section, name, text, unit))
+        print(f"  {key:<44} {text:>14} {unit}", flush=True)
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        key = f"{self.section}/{name}"
+        self.data["checks"][key] = {"ok": bool(ok), "detail": detail}
+        print(f"  {'ok  ' if ok else 'FAIL'} {key}: {detail}", flush=True)
+
+    def run(self, name: str, fn: Callable[[Report, Context], None], ctx: Context) -> None:
+        print(f"[{time.perf_counter() - self.start:6.1f} s] {name}", flush=True)
+        self.section, error = name, None
+        start = time.perf_counter()
+        try:
+            fn(self, ctx)
+            sync(ctx.device)
+        except Exception as exception:  # recorded; the other sections still run
+            error = f"{type(exception).__name__}: {str(exception)[:500]}"
+            if not str(exception).startswith("skipped:"):
+                traceback.print_exc()
+            print(f"  ERROR {name}: {error}", flush=True)
+        seconds = time.perf_counter() - start
+        self.data["sections"][name] = {"seconds": round(seconds, 3), "error": error}
+        self.section = "-"
+        release(ctx.device)
+        self.write()
+
+    def write(self) -> None:
+        self.data["total_s"] = round(time.perf_counter() - self.start, 3)
+        self.data["failed_checks"] = failed_checks(self.data)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(plain(self.data), indent=2))
+
+    def table(self) -> None:
+        console = Console(width=140)
+        table = Table(title=f"gpu_check ({self.data['meta']['device']}, {self.data['meta']['mode']})")
+        for column in ("section", "measure", "value", "unit"):
+            table.add_column(column, justify="right" if column == "value" else "left")
+        for row in self.rows:
+            table.add_row(*row)
+        console.print(table)
+        checks = Table(title="checks")
+        for column in ("check", "", "detail"):
+            checks.add_column(column)
+        for key, check in self.data["checks"].items():
+            checks.add_row(key, "ok" if check["ok"] else "[red]FAILED[/red]", check["detail"])
+        console.print(checks)
+        times = Table(title=f"sections (total {self.data['total_s']:.1f} s)")
+        for column in ("section", "seconds", "error"):
+            times.add_column(column)
+        for name, section in self.data["sections"].items():
+            times.add_row(name, f"{section['seconds']:.1f}", section["error"] or "")
+        console.print(times)
+
+
+def plain(value):
+    """JSON-safe: NaN and infinities as null, tuples as lists, anything else unknown as its str()."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return str(value)
+
+
+def failed_checks(data: dict) -> list[str]:
+    """One line per check that does not hold and per section that raised."""
+    failed = [f"{key}: {check['detail']}" for key, check in data["checks"].items() if not check["ok"]]
+    failed += [
+        f"section {name} did not finish: {section['error']}"
+        for name, section in data["sections"].items()
+        if section["error"]
+    ]
+    return failed
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
 
 
 def sync(device: torch.device) -> None:
@@ -101,17 +286,85 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
     sync(device)
     start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
+    result = fn()
     sync(device)
-    return (time.perf_counter() - start) / repeats
+    return result, time.perf_counter() - start
 
 
-def loss_of(model, ids, dtype):
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def qwen2_config(shape: dict, layers: int) -> Qwen2Config:
+    return Qwen2Config(**{**shape, "num_hidden_layers": layers}, tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def model_on(device: torch.device, shape: dict, layers: int, seed: int) -> Qwen2ForCausalLM:
+    """An fp32 Qwen2 model initialised on the device itself (no CPU copy)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Qwen2ForCausalLM(qwen2_config(shape, layers))
+
+
+def target_shapes(shape: dict, layers: int, config: LoGRAConfig) -> dict[str, tuple[int, int]]:
+    """HF module name → (d_out, k_in) of every LoGRA target (`config.target_modules`) of `layers` decoder layers."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    return {
+        f"model.layers.{n}.{leaf}": size(h, i, q, kv)
+        for n in range(layers)
+        for leaf, size in LEAVES.items()
+        if leaf.rsplit(".", 1)[-1] in config.target_modules
+    }
+
+
+def random_payload(
+    shapes: dict[str, tuple[int, int]],
+    config: LoGRAConfig,
+    version: int,
+    device: torch.device,
+    scale: float,
+    seed: int,
+) -> UpdatePayload:
+    """A payload of random factors (drawn on `device`) in the trainer's format: `config`'s rank, seed,
+    distribution and wire dtype, a version-gated update of `version`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    wire = getattr(torch, config.wire_dtype)
+    entries = tuple(
+        PayloadEntry(
+            name, d_out, k_in, (torch.randn(d_out, config.rank, device=device, generator=generator) * scale).to(wire)
+        )
+        for name, (d_out, k_in) in shapes.items()
+    )
+    draft = UpdatePayload(
+        version, version + 1, config.seed, version, config.rank, config.distribution, config.wire_dtype, "", entries
+    )
+    fingerprint = projection_fingerprint(draft.projection(entries[0], device))
+    return dataclasses.replace(draft, fingerprint=fingerprint)
+
+
+def engine_spec(config: RunConfig) -> EngineSpec:
+    """What a rollout engine is built with (residual, merge chunk rows, dtype) for `config`."""
+    return EngineSpec.from_config(config, config.model.path or "-")
+
+
+def mismatches(got: dict[str, torch.Tensor], want: Callable[[str], torch.Tensor]) -> list[str]:
+    return [key for key, value in got.items() if not torch.equal(value, want(key))]
+
+
+def loss_of(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = model(input_ids=ids).logits
     return torch.nn.functional.cross_entropy(
@@ -119,14 +372,75 @@ def loss_of(model, ids, dtype):
     )
 
 
-def sketch_vs_dense(device: torch.device, shape: dict, tokens: int) -> float:
-    """Max relative error of bf16-autocast sketches vs the fp32 dense gradient times Aᵀ (2 layers)."""
-    torch.manual_seed(1)
-    model = model_of(shape, layers=2).to(device)
-    twin = model_of(shape, layers=2).to(device)
-    twin.load_state_dict(model.state_dict())
-    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
-    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+# ---- sections ------------------------------------------------------------------------------------------------
+
+
+def versions(report: Report, ctx: Context) -> None:
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "host_memory_gib": round(psutil.virtual_memory().total / GIB, 1),
+    }
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        found |= {
+            "gpu": torch.cuda.get_device_name(0),
+            "gpu_memory_gib": round(properties.total_memory / GIB, 1),
+            "gpu_capability": f"{properties.major}.{properties.minor}",
+            "cudnn": torch.backends.cudnn.version(),
+        }
+        try:
+            nccl = torch.cuda.nccl.version()
+            found["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
+        except Exception as error:  # a build without NCCL
+            found["nccl"] = f"unavailable ({type(error).__name__})"
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"]
+        try:
+            output = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+            found["driver"] = output.splitlines()[0].split(",")[0].strip() if output else "?"
+        except (OSError, subprocess.SubprocessError) as error:
+            found["driver"] = f"nvidia-smi failed ({type(error).__name__})"
+    else:
+        found["driver"] = "no nvidia-smi"
+    report.data["versions"] = found
+    for key, value in found.items():
+        report.value(key, value)
+
+
+def projections(report: Report, ctx: Context) -> None:
+    """A drawn on the device equals A drawn on the CPU bit for bit; the time of one whole-model redraw."""
+    device, config, shape = ctx.device, ctx.plan.logra, ctx.plan.shape
+    widths = {shape["hidden_size"], shape["intermediate_size"]}
+    exact = all(
+        torch.equal(
+            make_projection(config.rank, k, seed=k + 1, distribution=config.distribution, device=device).cpu(),
+            make_projection(config.rank, k, seed=k + 1, distribution=config.distribution),
+        )
+        for k in widths
+    )
+    report.check("device_equals_cpu", exact, "A drawn on the device is A drawn on the CPU, bit for bit")
+    shapes = target_shapes(shape, shape["num_hidden_layers"], config)
+
+    def redraw():
+        for n, (_, k_in) in enumerate(shapes.values()):
+            make_projection(config.rank, k_in, seed=n, distribution=config.distribution, device=device)
+
+    redraw()  # warm-up
+    _, seconds = timed(redraw, device)
+    report.value("projection_redraw_model_s", seconds, "s")
+
+
+def sketch_bf16(report: Report, ctx: Context) -> None:
+    """Max relative error of bf16-autocast sketches vs the fp32 dense gradient times Aᵀ (2 small layers)."""
+    device, shape = ctx.device, SHAPES["small"]
+    model = model_on(device, shape, 2, seed=1)
+    twin = model_on(device, shape, 2, seed=1)
+    opt = LoGRAOptimizer(model, dataclasses.replace(LoGRAConfig(), rank=64))
+    ids = torch.randint(0, shape["vocab_size"], (1, 512), device=device)
     loss_of(model, ids, torch.bfloat16).backward()
     loss_of(twin, ids, torch.float32).backward()
     modules = dict(twin.named_modules())
@@ -134,137 +448,17 @@ def sketch_vs_dense(device: torch.device, shape: dict, tokens: int) -> float:
     for target in opt.targets:
         expected = modules[target.name].weight.grad @ target.projection.t()
         worst = max(worst, float((target.sketch - expected).norm() / expected.norm()))
-    return worst
+    report.value("rel_error", worst)
+    report.check("rel_error", worst < 0.05, f"bf16 sketch error {worst:.3g} of the fp32 gradient's sketch (< 0.05)")
 
 
-def check_kernels(device: torch.device, shape: dict, tokens: int, dtype: torch.dtype) -> dict:
-    """One decoder layer: forward + backward with sketches vs with weight gradients; the JVP probe."""
-    torch.manual_seed(2)
-    dense = model_of(shape, layers=1).to(device)
-    logra = model_of(shape, layers=1).to(device)
-    opt = LoGRAOptimizer(logra, LoGRAConfig(rank=64))
-    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
-
-    def step(model):
-        return lambda: loss_of(model, ids, dtype).backward()
-
-    result = {"layer_fwd_bwd_dense_s": timed(step(dense), device), "layer_fwd_bwd_logra_s": timed(step(logra), device)}
-    opt.prepare(num_tokens=tokens)
-    mask = torch.ones_like(ids)
-    result["jvp_probe_s"] = timed(lambda: opt.probe_kl(lambda x: logra(input_ids=x).logits, ids, mask, 1.0), device)
-    opt.discard()
-    return result
-
-
-def peak_memory(device: torch.device, shape: dict, tokens: int, variant: str) -> float:
-    """Peak GiB of one forward + backward + update (cuda: allocator peak; cpu: not measured)."""
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    model = model_of(shape).to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
-    if variant == "dense":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=True)
-        loss_of(model, ids, torch.bfloat16).backward()
-        optimizer.step()
-    else:
-        opt = LoGRAOptimizer(model, LoGRAConfig(rank=int(variant.split("=")[1])))
-        loss_of(model, ids, torch.bfloat16).backward()
-        opt.prepare(num_tokens=tokens)
-        opt.commit(1.0)
-    sync(device)
-    peak = torch.cuda.max_memory_allocated(device) / GIB
-    del model
-    return peak
-
-
-def apply_time(device: torch.device, shape: dict, rank: int) -> dict:
-    """One payload into the 7 targets of one decoder layer: bf16 weights + fp32 residual, in place."""
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // heads
-    shapes = {
-        "self_attn.q_proj": (h, h),
-        "self_attn.k_proj": (kv * d, h),
-        "self_attn.v_proj": (kv * d, h),
-        "self_attn.o_proj": (h, h),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-    names = {f"model.layers.0.{leaf}": s for leaf, s in shapes.items()}
-    masters = {name: torch.randn(s, device=device) * 0.02 for name, s in names.items()}  # the trainer's fp32
-    weights = {name: master.to(torch.bfloat16) for name, master in masters.items()}
-    merger = PayloadMerger(hf_targets(weights, "float32"), chunk_rows=4096)
-    merger.resync(masters, version=0)
-    entries = tuple(
-        PayloadEntry(name, s[0], s[1], (torch.randn(s[0], rank, device=device) * 1e-4).to(torch.bfloat16))
-        for name, s in names.items()
-    )
-
-    def payload(version):
-        draft = UpdatePayload(version, version + 1, 1, version, rank, "rademacher", "bfloat16", "", entries)
-        return UpdatePayload(
-            version,
-            version + 1,
-            1,
-            version,
-            rank,
-            "rademacher",
-            "bfloat16",
-            projection_fingerprint(draft.projection(entries[0])),
-            entries,
-        )
-
-    payloads = [payload(v) for v in range(4)]
-    merger.apply(payloads[0])  # warm-up
-    sync(device)
-    start = time.perf_counter()
-    for p in payloads[1:]:
-        merger.apply(p)
-    sync(device)
-    seconds = (time.perf_counter() - start) / 3
-    generation = timed(lambda: [payloads[0].projection(e) for e in entries], device, repeats=1)
-    for p in payloads:  # the trainer's side of the same four updates: 3 uneven FSDP-like row shards, other chunks
-        for entry in p.entries:
-            master, projection = masters[entry.name], p.projection(entry, device)
-            bounds = [0, master.shape[0] // 3 + 1, 2 * master.shape[0] // 3 + 5, master.shape[0]]
-            for start, stop in itertools.pairwise(bounds):
-                shard = slice(start, stop)
-                merge_low_rank_(master[shard], entry.factor[shard], projection, chunk_rows=1000, row_offset=start)
-    exact = all(torch.equal(merger.targets[n].weight, masters[n].to(torch.bfloat16)) for n in names)
-    return {
-        "rank": rank,
-        "apply_s": seconds,
-        "projection_generation_s": generation,
-        "params": sum(s[0] * s[1] for s in names.values()),
-        "exact": exact,
-    }
-
-
-def projections_on_device(device: torch.device, shape: dict) -> dict:
-    """A drawn on the device equals A drawn on the CPU bit for bit; the time of one whole-model redraw."""
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    exact = all(
-        torch.equal(make_projection(64, k, seed=k + 1, device=device).cpu(), make_projection(64, k, seed=k + 1))
-        for k in (h, i)
-    )
-    per_layer = [h] * 6 + [i]  # q, k, v, gate, up (k_in = hidden) and o (hidden), down (intermediate)
-    redraw = timed(
-        lambda: [make_projection(256, k, seed=n, device=device) for n, k in enumerate(per_layer)], device, repeats=1
-    )
-    return {"projection_device_exact": exact, "projection_redraw_model_s": redraw * shape["num_hidden_layers"]}
-
-
-def kl_under_bf16(device: torch.device, shape: dict, tokens: int) -> dict:
-    """q from the fp32 JVP vs the finite-difference probe and the realised KL under bf16 autocast."""
-    torch.manual_seed(4)
-    model = model_of(shape, layers=2).to(device)
-    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
-    ids = torch.randint(0, shape["vocab_size"], (2, tokens), device=device)
+def kl_bf16(report: Report, ctx: Context) -> None:
+    """q from the fp32 JVP vs the finite-difference probe and the realised KL under bf16 autocast (small)."""
+    device, shape = ctx.device, SHAPES["small"]
+    model = model_on(device, shape, 2, seed=4)
+    config = dataclasses.replace(LoGRAConfig(), rank=64)
+    opt = LoGRAOptimizer(model, config)
+    ids = torch.randint(0, shape["vocab_size"], (2, 256), device=device)
     loss_of(model, ids, torch.float32).backward()
     opt.prepare(num_tokens=ids.numel())
     mask = torch.ones_like(ids)
@@ -273,214 +467,548 @@ def kl_under_bf16(device: torch.device, shape: dict, tokens: int) -> dict:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             return model(input_ids=x).logits
 
-    fp32 = lambda x: model(input_ids=x).logits  # noqa: E731
+    def fp32(x):
+        return model(input_ids=x).logits
+
     jvp = opt.probe_kl(fp32, ids, mask, 1.0)
     realised = opt.realized_kl(fp32, ids, mask, 1.0, 1.0)
-    opt.config = LoGRAConfig(rank=64, kl={"estimator": "finite_difference"})
+    opt.config = dataclasses.replace(config, kl=dataclasses.replace(config.kl, estimator="finite_difference"))
     finite_difference = opt.probe_kl(bf16, ids, mask, 1.0)
     realised_bf16 = opt.realized_kl(bf16, ids, mask, 1.0, 1.0)
     # The KL guard under bf16: its realised KL comes from the JVP's bf16 primal pass kept as the unstepped
     # forward, the step enlarged to be resolved; it must equal the fp32 KL of the α it chose.
-    opt.config = LoGRAConfig(rank=64)
+    opt.config = config
     guarded = opt.guarded_step(bf16, ids, mask, 1.0, budget=jvp)
     guarded_fp32 = opt.realized_kl(fp32, ids, mask, 1.0, guarded.alpha)
     opt.discard()
+    ratios = {
+        "fd_bf16_over_jvp_fp32": finite_difference / jvp,
+        "realized_bf16_over_fp32": realised_bf16 / realised,
+        "guard_bf16_over_fp32": guarded.kl / guarded_fp32,
+    }
+    for key, ratio in ratios.items():
+        report.value(key, ratio)
+        report.check(key, 0.8 <= ratio <= 1.25, f"{ratio:.3g}: a KL measured under bf16 against fp32 (0.8–1.25)")
+
+
+def worker_setup(report: Report, ctx: Context) -> None:
+    """The TrainWorker's own set-up on the device from a checkpoint written by a model built there."""
+    from logra_rl.config import ClusterConfig, ModelConfig
+    from logra_rl.train.worker import TrainWorker
+
+    plan, device = ctx.plan, ctx.device
+    directory = ctx.scratch / "model"
+    model = model_on(device, plan.shape, plan.worker_layers, seed=3)
+    report.value("params", sum(p.numel() for p in model.parameters()))
+    sync(device)
+    start = time.perf_counter()
+    model.save_pretrained(directory)
+    report.value("checkpoint_write_s", time.perf_counter() - start, "s")
+    del model
+    release(device)
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as reader:
+            ctx.checkpoint |= dict.fromkeys(reader.keys(), str(file))
+    # The model group of the GPU presets (model=hf: activation checkpointing, sdpa) with its bf16 compute.
+    preset = yaml.safe_load((Path(logra_rl.configs.__file__).parent / "model" / "hf.yaml").read_text())
+    model_config = ModelConfig(**{**preset, "path": str(directory), "builder": None, "compute_dtype": "bfloat16"})
+    ctx.config = RunConfig(
+        model=model_config, cluster=ClusterConfig(train_workers=1, device=device.type), logra=plan.logra
+    )
+    ctx.spec = engine_spec(ctx.config)
+    worker = TrainWorker(ctx.config, str(directory), rank=0, world_size=1)
+    ctx.worker = worker
+    _, seconds = timed(lambda: worker.setup("127.0.0.1", free_port()), device)
+    report.value("setup_s", seconds, "s")
+    report.value("fsdp_backend", dist.get_backend())
+    # Every bucket of a full resync (the engines' view of the master) equals the checkpoint, bit for bit.
+    buckets = worker.resync_buckets(int(ctx.config.rollout.resync_bucket_mb * MIB))
+    keys = [key for bucket in buckets for key in bucket.keys]
+    wrong = [key for bucket in buckets for key in mismatches(worker.full_state(bucket.keys), checkpoint_tensor(ctx))]
+    ok = sorted(keys) == sorted(ctx.checkpoint) and not wrong
+    detail = f"{len(buckets)} resync buckets, {len(keys)} of {len(ctx.checkpoint)} tensors; differing: {wrong[:3]}"
+    report.check("state_equals_checkpoint", ok, detail)
+    ctx.target_keys = tuple(f"{name}.weight" for name in target_shapes(plan.shape, plan.worker_layers, plan.logra))
+
+
+def checkpoint_tensor(ctx: Context) -> Callable[[str], torch.Tensor]:
+    def read(key: str) -> torch.Tensor:
+        with safe_open(ctx.checkpoint[key], framework="pt") as reader:
+            return reader.get_tensor(key)
+
+    return read
+
+
+def step_batch(plan: Plan, seed: int = 5):
+    """`batch_rows` rows of `batch_length` tokens: the first eighth a prompt, the rest the response."""
+    from logra_rl.train.batch import TrainBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    rows, length = plan.batch_rows, plan.batch_length
+    ids = torch.randint(0, plan.shape["vocab_size"], (rows, length), generator=generator)
+    loss_mask = torch.zeros(rows, length)
+    loss_mask[:, length // 8 :] = 1
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.zeros(rows, length),
+        advantages=torch.linspace(1.0, -1.0, rows),
+        completed=torch.ones(rows, dtype=torch.bool),
+    )
+
+
+def worker_step(report: Report, ctx: Context) -> None:
+    """One bf16 train_step: the sampling log-probs first (as an engine would report them), then the step."""
+    from logra_rl.train.api import LowRankPayloads
+
+    ctx.need("worker", "target_keys")
+    worker, device, plan, spec = ctx.worker, ctx.device, ctx.plan, ctx.spec
+    batch = step_batch(plan)
+    report.value("batch_tokens", batch.input_ids.numel())
+    logprobs, seconds = timed(lambda: worker.logprobs(batch), device)
+    report.value("logprobs_s", seconds, "s")
+    batch = dataclasses.replace(batch, rollout_logprobs=logprobs)
+    # The engine's copy of the targets before the step, as a full resync leaves it (bf16 + residual).
+    ctx.before = worker.full_state(ctx.target_keys)
+    dtype = getattr(torch, spec.dtype)
+    weights = {key.removesuffix(".weight"): value.to(device=device, dtype=dtype) for key, value in ctx.before.items()}
+    merger = PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)
+    merger.resync({key.removesuffix(".weight"): value for key, value in ctx.before.items()}, version=0)
+    ctx.merger = merger
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result, seconds = timed(lambda: worker.train_step(batch, step=0), device)
+    report.value("step_s", seconds, "s")
+    for key in sorted(result.metrics):
+        if key.startswith("timing_s/"):
+            report.value(key.removeprefix("timing_s/") + "_s", result.metrics[key], "s")
+    for key in ("memory/train_peak_gib", "logra/kl_budget", "logra/kl_predicted", "actor/kl_realized", "logra/alpha"):
+        if key in result.metrics:
+            report.value(key.split("/", 1)[1], result.metrics[key], "GiB" if key.endswith("_gib") else "")
+    update = result.update
+    committed = isinstance(update, LowRankPayloads) and len(update.payloads) == 1 and result.policy_version == 1
+    report.check("committed", committed, f"version {result.policy_version}, update {type(update).__name__}")
+    if not committed:
+        return
+    blob = update.payloads[0]
+    report.value("payload_mib", len(blob) / MIB, "MiB")
+    ctx.payload, seconds = timed(lambda: UpdatePayload.from_bytes(blob), device)
+    report.value("from_bytes_s", seconds, "s")
+    _, seconds = timed(ctx.payload.to_bytes, device)
+    report.value("to_bytes_s", seconds, "s")
+
+
+def payload_merge(report: Report, ctx: Context) -> None:
+    """The step's payload into the engine's copy: bit-equal to split_master of the trainer's new master."""
+    ctx.need("worker", "merger", "payload")
+    worker, device, merger = ctx.worker, ctx.device, ctx.merger
+    _, seconds = timed(lambda: merger.apply(ctx.payload), device)
+    report.value("apply_s", seconds, "s")
+    ctx.after = worker.full_state(ctx.target_keys)
+    wrong, moved = [], 0
+    for key, master in ctx.after.items():
+        target = merger.targets[key.removesuffix(".weight")]
+        weight, tail = split_master(master.to(device))
+        exact = torch.equal(target.weight, weight)
+        if target.residual is not None and target.residual.dtype == torch.int16:
+            exact = exact and torch.equal(target.residual, tail)
+            exact = exact and torch.equal(join_master(target.weight, target.residual).cpu(), master)
+        if not exact:
+            wrong.append(key)
+        moved += int(not torch.equal(master, ctx.before[key]))
+    report.value("targets_moved", moved)
+    detail = (
+        f"{len(ctx.after) - len(wrong)} of {len(ctx.after)} targets equal split_master of the trainer's master "
+        f"(residual {ctx.spec.residual}, merge_chunk_rows {ctx.spec.merge_chunk_rows}); differing: {wrong[:3]}"
+    )
+    report.check("engine_equals_master", not wrong and moved == len(ctx.after), detail)
+    others = [key for key in ctx.checkpoint if key not in ctx.after]
+    still = mismatches(worker.full_state(tuple(others)), checkpoint_tensor(ctx))
+    report.check("untargeted_unchanged", not still, f"{len(others)} untargeted tensors; moved: {still[:3]}")
+
+
+def dcp_round_trip(report: Report, ctx: Context) -> None:
+    """save → overwrite the weights and the RowAdam moments → load: the state after the step, bit for bit."""
+    ctx.need("worker", "after")
+    worker, device = ctx.worker, ctx.device
+    directory = ctx.scratch / "dcp"
+    _, seconds = timed(lambda: worker.save(str(directory)), device)
+    report.value("save_s", seconds, "s")
+    report.value("size_gib", sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / GIB, "GiB")
+    moments = list(getattr(getattr(worker.rule, "optimizer", None), "second_moments", []))
+    saved_moments = [moment.clone() for moment in moments]
+    with torch.no_grad():
+        for parameter in worker.model.parameters():
+            parameter.zero_()
+        for moment in moments:
+            moment.zero_()
+    version, seconds = timed(lambda: worker.load(str(directory)), device)
+    report.value("load_s", seconds, "s")
+    wrong = mismatches(worker.full_state(ctx.target_keys), ctx.after.__getitem__)
+    others = tuple(key for key in ctx.checkpoint if key not in ctx.after)
+    wrong += mismatches(worker.full_state(others), checkpoint_tensor(ctx))
+    wrong += [
+        f"moments[{i}]" for i, (m, s) in enumerate(zip(moments, saved_moments, strict=True)) if not torch.equal(m, s)
+    ]
+    detail = (
+        f"version {version}, {len(ctx.checkpoint)} tensors and {len(moments)} RowAdam moments; differing: {wrong[:3]}"
+    )
+    report.check("round_trip_exact", version == 1 and not wrong and bool(moments), detail)
+
+
+def emulate_local(hf: dict[str, torch.Tensor], shape: dict, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """vLLM's local weights of one layer on TP rank `rank`, restated with chunk() (independently of
+    `vllm_layout.layer_placements`): q / gate / up row blocks, k / v row blocks or one replicated KV head,
+    fused into qkv and gate_up; o / down column blocks."""
+    kv_heads, head_dim = shape["num_key_value_heads"], shape["hidden_size"] // shape["num_attention_heads"]
+    q = hf["self_attn.q_proj"].chunk(tp)[rank]
+    if tp >= kv_heads:  # each rank holds one (replicated) KV head
+        head = rank // (tp // kv_heads)
+        k, v = (hf[f"self_attn.{x}_proj"].view(kv_heads, head_dim, -1)[head] for x in ("k", "v"))
+    else:
+        k, v = hf["self_attn.k_proj"].chunk(tp)[rank], hf["self_attn.v_proj"].chunk(tp)[rank]
     return {
-        "kl_fd_bf16_over_jvp_fp32": finite_difference / jvp,
-        "kl_realized_bf16_over_fp32": realised_bf16 / realised,
-        "kl_guard_bf16_over_fp32": guarded.kl / guarded_fp32,
+        "self_attn.qkv_proj.weight": torch.cat([q, k, v]),
+        "self_attn.o_proj.weight": hf["self_attn.o_proj"].chunk(tp, dim=1)[rank],
+        "mlp.gate_up_proj.weight": torch.cat([hf["mlp.gate_proj"].chunk(tp)[rank], hf["mlp.up_proj"].chunk(tp)[rank]]),
+        "mlp.down_proj.weight": hf["mlp.down_proj"].chunk(tp, dim=1)[rank],
     }
 
 
-def cuda_graph_sees_merge(device: torch.device) -> bool:
-    """A CUDA graph captured around a linear layer replays with the weights an in-place merge wrote."""
-    linear = torch.nn.Linear(256, 128, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
-    x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+def tp_layouts(report: Report, ctx: Context) -> None:
+    """One layer merged unsharded and in vLLM's TP-local layouts: the same bits, weights and tails."""
+    from logra_rl.rollout.vllm_layout import LayerGeometry, layer_placements, local_shapes
+
+    device, plan = ctx.device, ctx.plan
+    config, shape = plan.logra, plan.shape
+    spec = engine_spec(RunConfig(logra=config))
+    dtype = getattr(torch, spec.dtype)
+    shapes = target_shapes(shape, 1, config)
+    if len(shapes) != len(LEAVES):
+        raise RuntimeError(
+            f"skipped: the TP layouts need all 7 targets, logra.target_modules is {config.target_modules}"
+        )
+    prefix = "model.layers.0"
+    generator = torch.Generator(device=device).manual_seed(7)
+    masters = {name: torch.randn(s, device=device, generator=generator) * 0.02 for name, s in shapes.items()}
+    payloads = [random_payload(shapes, config, v, device, scale=1e-6 * 10**v, seed=8 + v) for v in range(2)]
+    reference = PayloadMerger(
+        hf_targets({n: m.to(dtype) for n, m in masters.items()}, spec.residual), chunk_rows=spec.merge_chunk_rows
+    )
+    reference.resync(masters, version=0)
+    for payload in payloads:
+        reference.apply(payload)
+    short = {name.removeprefix(f"{prefix}."): target for name, target in reference.targets.items()}
+    want_weights = {leaf: target.weight for leaf, target in short.items()}
+    want_tails = {leaf: target.residual for leaf, target in short.items()} if spec.residual != "none" else None
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    sizes = [tp for tp in (1, 2, 4) if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
+    failed, checked = [], 0
+    for tp in sizes:
+        seconds = 0.0
+        for rank in range(tp):
+            geometry = LayerGeometry(
+                hidden=shape["hidden_size"],
+                intermediate=shape["intermediate_size"],
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=shape["hidden_size"] // heads,
+                tp_size=tp,
+                tp_rank=rank,
+            )
+            local = {p: torch.empty(s, dtype=dtype, device=device) for p, s in local_shapes(geometry).items()}
+            fused = hf_targets(local, spec.residual)  # one residual per fused parameter
+            targets = {}
+            for name, placement in layer_placements(prefix, geometry).items():
+                holder = fused[placement.param.removeprefix(f"{prefix}.")]
+                residual = None if holder.residual is None else holder.residual[placement.dst_rows]
+                targets[name] = MergeTarget(
+                    holder.weight[placement.dst_rows], residual, placement.hf_shape, placement.src_rows, placement.cols
+                )
+            merger = PayloadMerger(targets, chunk_rows=spec.merge_chunk_rows)
+            start = time.perf_counter()
+            merger.resync(masters, version=0)
+            for payload in payloads:
+                merger.apply(payload)
+            sync(device)
+            seconds += time.perf_counter() - start
+            expected = emulate_local(want_weights, shape, tp, rank)
+            tails = emulate_local(want_tails, shape, tp, rank) if want_tails else {}
+            for param, holder in fused.items():
+                checked += 1
+                same = torch.equal(holder.weight, expected[param])
+                if holder.residual is not None:
+                    same = same and torch.equal(holder.residual, tails[param])
+                if not same:
+                    failed.append(f"tp {tp} rank {rank} {param}")
+        report.value(f"tp{tp}_resync_and_merge_s", seconds, "s")
+    detail = (
+        f"TP {sizes}: {checked - len(failed)} of {checked} local fused weights (and {spec.residual} residuals) equal "
+        f"the unsharded merge's; differing: {failed[:3]}"
+    )
+    report.check("sharded_equals_unsharded", not failed and checked > 0, detail)
+
+
+class DecoderBlock(torch.nn.Module):
+    """One HF decoder layer with its rotary embedding, as a function of the hidden states alone."""
+
+    def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        out = self.layer(hidden, position_embeddings=self.rotary(hidden, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def replayable(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """On CUDA: `fn(x)` warmed up off the capture stream, captured in a CUDA graph, replayed on each call.
+    On a CPU: `fn(x)` called again."""
+    if x.device.type != "cuda":
+        fn(x)  # compiles
+        return lambda: fn(x).clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
-        for _ in range(3):
-            linear(x)
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles, then runs the compiled kernels as the capture will
+            fn(x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = linear(x)
-    graph.replay()
-    before = out.clone()
-    merger = PayloadMerger(hf_targets({"layer": linear.weight}, "float32"))
-    merger.resync({"layer": linear.weight.float()}, version=0)
-    factor = (torch.randn(128, 16, device=device) * 1e-2).to(torch.bfloat16)
-    entries = (PayloadEntry("layer", 128, 256, factor),)
-    draft = UpdatePayload(0, 1, 1, 0, 16, "rademacher", "bfloat16", "", entries)
-    fingerprint = projection_fingerprint(draft.projection(entries[0]))
-    merger.apply(UpdatePayload(0, 1, 1, 0, 16, "rademacher", "bfloat16", fingerprint, entries))
-    graph.replay()
-    torch.cuda.synchronize(device)
-    expected = linear(x)  # eager, with the merged weights
-    return bool(not torch.equal(out, before) and torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-3))
+        out = fn(x)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out.clone()
+
+    replay.graph = graph  # kept alive with the closure
+    return replay
 
 
-def main() -> None:
+def compiled_layer(report: Report, ctx: Context) -> None:
+    """A compiled decoder layer (in a CUDA graph on CUDA) sees an in-place merge of its weights."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    device, plan = ctx.device, ctx.plan
+    spec = engine_spec(RunConfig(logra=plan.logra))
+    dtype = getattr(torch, spec.dtype)
+    config = qwen2_config(plan.shape, 1)
+    torch.manual_seed(6)
+    with torch.device(device):
+        layer = Qwen2DecoderLayer(config, layer_idx=0).to(dtype)
+        rotary = Qwen2RotaryEmbedding(config)  # fp32 frequencies, as the model keeps them
+    block = DecoderBlock(layer, rotary).eval().requires_grad_(False)
+    x = torch.randn(1, plan.compile_tokens, plan.shape["hidden_size"], dtype=dtype, device=device)
+    compiled = torch.compile(block, dynamic=False)
+    with torch.no_grad():
+        run, seconds = timed(lambda: replayable(compiled, x), device)
+        report.value("compile_and_capture_s", seconds, "s")
+        before_compiled, before_eager = run(), block(x)
+        weights = {name: module.weight.data for name, module in layer.named_modules() if name in LEAVES}
+        pointers = {name: weight.data_ptr() for name, weight in weights.items()}
+        merger = PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)
+        merger.resync({name: weight.float() for name, weight in weights.items()}, version=0)
+        shapes = {name: tuple(weight.shape) for name, weight in weights.items()}
+        # An update as large as the weights (ΔW's entries have U's spread), so the output moves by about its own
+        # size: far above the rounding differences between compiled and eager kernels.
+        spread = float(torch.stack([weight.float().std() for weight in weights.values()]).median())
+        merger.apply(random_payload(shapes, plan.logra, 0, device, scale=spread, seed=9))
+        in_place = all(weight.data_ptr() == pointers[name] for name, weight in weights.items())
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a merge must not force a recompile
+            _, seconds = timed(run, device)
+            after_compiled = run()
+        report.value("replay_s", seconds, "s")
+        after_eager = block(x)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(a.float() - b.float()))
+
+    change = distance(after_eager, before_eager)
+    before, after = distance(before_compiled, before_eager) / change, distance(after_compiled, after_eager) / change
+    report.value("compiled_vs_eager_before", before)  # ‖compiled − eager‖ / ‖the merge's change of the output‖
+    report.value("compiled_vs_eager_after", after)
+    report.value("merge_change_relative", change / float(torch.linalg.vector_norm(before_eager.float())))
+    mode = "a CUDA graph of the compiled layer" if device.type == "cuda" else "the compiled layer (no graph on a CPU)"
+    detail = (
+        f"{mode} after an in-place merge: ‖compiled − eager‖ is {after:.3g} of the merge's change of the output "
+        f"(<= 0.05; before the merge {before:.3g}; a stale weight leaves about 1); weights in place: {in_place}"
+    )
+    report.check("sees_in_place_merge", in_place and after <= 0.05, detail)
+    torch._dynamo.reset()  # its caches hold the layer
+
+
+def merge_at_scale(report: Report, ctx: Context) -> None:
+    """A whole model's payload at the default rank: (de)serialisation and the in-place merge on the device."""
+    device, plan = ctx.device, ctx.plan
+    config = plan.logra
+    spec = engine_spec(RunConfig(logra=config))
+    shapes = target_shapes(plan.shape, plan.merge_layers, config)
+    params = sum(rows * cols for rows, cols in shapes.values())
+    report.value("layers", plan.merge_layers)
+    report.value("targeted_params", params)
+
+    def build():
+        generator = torch.Generator(device=device).manual_seed(10)
+        weights = {
+            name: torch.empty(s, dtype=getattr(torch, spec.dtype), device=device).normal_(0, 0.02, generator=generator)
+            for name, s in shapes.items()
+        }
+        return PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)  # zero residuals
+
+    merger, seconds = timed(build, device)
+    report.value(
+        "weights_and_residual_gib",
+        sum(t.weight.nbytes + (0 if t.residual is None else t.residual.nbytes) for t in merger.targets.values()) / GIB,
+        "GiB",
+    )
+    report.value("build_s", seconds, "s")
+    for version in range(2):  # the first apply warms up (kernels, handles); the second is the steady state
+        payload = random_payload(shapes, config, version, device, scale=1e-6, seed=11 + version)
+        blob, seconds = timed(payload.to_bytes, device)
+        del payload
+        report.value(f"to_bytes_s_{version}", seconds, "s")
+        received, seconds = timed(lambda b=blob: UpdatePayload.from_bytes(b), device)
+        report.value(f"from_bytes_s_{version}", seconds, "s")
+        _, seconds = timed(lambda p=received: merger.apply(p), device)
+        report.value(f"apply_s_{version}", seconds, "s")
+    report.value("payload_mib", len(blob) / MIB, "MiB")
+    report.check(
+        "applied",
+        merger.version == 2 and not merger.needs_resync,
+        f"two payloads applied in turn (version {merger.version})",
+    )
+
+
+def peak_memory(device: torch.device, plan: Plan, variant: str) -> float | str:
+    """Peak GiB of one forward + backward + update of the whole model (CUDA allocator; nan on a CPU)."""
+    out_of_memory = False
+    try:
+        peak = _peak_memory(device, plan, variant)
+    except torch.OutOfMemoryError:
+        out_of_memory = True
+    release(device)
+    return "OOM" if out_of_memory else peak
+
+
+def _peak_memory(device: torch.device, plan: Plan, variant: str) -> float:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = model_on(device, plan.shape, plan.shape["num_hidden_layers"], seed=12)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, plan.shape["vocab_size"], (1, plan.memory_tokens), device=device)
+    if variant == "dense":  # as DenseUpdate builds it
+        settings = OptimizerConfig()
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+        )
+        loss_of(model, ids, torch.bfloat16).backward()
+        optimizer.step()
+    else:
+        opt = LoGRAOptimizer(model, plan.logra)
+        loss_of(model, ids, torch.bfloat16).backward()
+        opt.prepare(num_tokens=ids.numel())
+        opt.commit(1.0)
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+
+
+def memory_7b(report: Report, ctx: Context) -> None:
+    device, plan = ctx.device, ctx.plan
+    if device.type != "cuda" and not plan.small:
+        report.value("skipped", "CUDA only at full size (the fp32 7B model and its AdamW state exceed host memory)")
+        return
+    logra = f"logra r={plan.logra.rank}"
+    peaks = {variant: peak_memory(device, plan, variant) for variant in ("dense", logra)}
+    for variant, peak in peaks.items():
+        report.value(f"peak_gib {variant}", peak, "GiB")
+    if device.type == "cuda":
+        dense, ours = peaks["dense"], peaks[logra]
+        below = ours != "OOM" and (dense == "OOM" or ours < dense)
+        report.check(
+            "logra_below_dense",
+            below,
+            f"LoGRA peak {ours} GiB vs dense AdamW {dense} GiB at {plan.memory_tokens} tokens",
+        )
+
+
+SECTION_FUNCTIONS = {
+    "versions": versions,
+    "projections": projections,
+    "sketch_bf16": sketch_bf16,
+    "kl_bf16": kl_bf16,
+    "worker": worker_setup,
+    "step": worker_step,
+    "merge": payload_merge,
+    "dcp": dcp_round_trip,
+    "tp_layouts": tp_layouts,
+    "compiled": compiled_layer,
+    "merge_7b": merge_at_scale,
+    "memory_7b": memory_7b,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run)")
     parser.add_argument("--out", default="bench_results", help="directory for gpu_check.json")
-    args = parser.parse_args()
+    parser.add_argument("--only", default="", help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per row of the step's batch")
+    parser.add_argument("--merge-layers", type=int, default=None, help="decoder layers of merge_7b's payload")
+    args = parser.parse_args(argv)
+    chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if any(s in WORKER_SECTIONS for s in chosen):  # they build on one another
+        chosen = sorted(set(chosen) | set(WORKER_SECTIONS), key=SECTIONS.index)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = False
-    small = SHAPES["small"]
-    worker = train_worker_setup(device, small if args.small else SHAPES["qwen2.5-1.5b"])  # its own process group
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    memory_shape, apply_shape = (small, small) if args.small else (SHAPES["qwen2.5-1.5b"], SHAPES["qwen2.5-7b"])
-    tokens = 256 if args.small else 2048
-    results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
-    rows = []
-
-    def record(name: str, value, unit: str = "") -> None:
-        results[name] = value
-        rows.append((name, f"{value:.4g}" if isinstance(value, float) else str(value), unit))
-        print(f"{name:<40} {rows[-1][1]:>12} {unit}", flush=True)
-
-    for key, value in worker.items():
-        record(key, value, "s" if key.endswith("_s") else "")
-    record("fsdp_backend", dist.get_backend())
-    record("sketch_rel_error_bf16", sketch_vs_dense(device, small, 512))
-    record("fsdp_logra_step_s", fsdp_step(device, small, 512), "s")
-    for key, value in check_kernels(device, memory_shape, tokens, torch.bfloat16).items():
-        record(key, value, "s")
-    for key, value in projections_on_device(device, apply_shape).items():
-        record(key, value, "s" if key.endswith("_s") else "")
-    for key, value in kl_under_bf16(device, small, 256).items():
-        record(key, value)
-    if device.type == "cuda":
-        record("cuda_graph_sees_merge", cuda_graph_sees_merge(device))
-    variants = ("dense", "logra r=64") if args.small else ("dense", "logra r=64", "logra r=256")
-    for variant in variants:
-        record(f"peak_gib {variant}", peak_memory(device, memory_shape, tokens, variant.replace("logra ", "")), "GiB")
-    if device.type == "cuda" and not args.small:  # the paper's claim on one GPU: dense AdamW may not fit at 7B
-        for variant in ("dense", "logra r=64"):
-            try:
-                peak = peak_memory(device, SHAPES["qwen2.5-7b"], tokens, variant.replace("logra ", ""))
-            except torch.OutOfMemoryError:
-                peak = "OOM"
-            torch.cuda.empty_cache()
-            record(f"peak_gib 7b {variant}", peak, "GiB")
-    for rank in (16, 64) if args.small else (16, 64, 256):
-        for key, value in apply_time(device, apply_shape, rank).items():
-            if key != "rank":
-                record(f"apply r={rank} {key}", value, "s" if key.endswith("_s") else "")
-    failed = failed_checks(results, cuda=device.type == "cuda")
-    results["failed_checks"] = failed
-    out = Path(args.out) / "gpu_check.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
-    dist.destroy_process_group()
-    for line in failed:
-        print(f"FAILED {line}")
-    sys.exit(1 if failed else 0)
-
-
-def failed_checks(results: dict, cuda: bool) -> list[str]:
-    """One line per check that does not hold (the docstring lists them)."""
-    failed = []
-    if not (results["worker_state_exact"] and results["worker_buckets_exact"]):
-        failed.append("worker set-up: the sharded state or its resync buckets differ from the checkpoint")
-    if not results["worker_logprob_max_abs_diff"] <= 1e-3:
-        failed.append(
-            f"worker log-probs differ from the reference by {results['worker_logprob_max_abs_diff']:.3g} > 1e-3"
-        )
-    if not results["sketch_rel_error_bf16"] < 0.05:
-        failed.append(
-            f"bf16 sketch error {results['sketch_rel_error_bf16']:.3g} >= 0.05 of the dense gradient's sketch"
-        )
-    for key in (k for k in results if k.endswith(" exact") and k.startswith("apply")):
-        if not results[key]:
-            failed.append(f"{key}: the in-place bf16 weights differ from bf16 of the trainer-side fp32 merge")
-    if not results["projection_device_exact"]:
-        failed.append("projections drawn on the device differ from the CPU's")
-    for key in ("kl_fd_bf16_over_jvp_fp32", "kl_realized_bf16_over_fp32", "kl_guard_bf16_over_fp32"):
-        if not 0.8 <= results[key] <= 1.25:
-            failed.append(f"{key} = {results[key]:.3g}: a KL measured under bf16 is biased (want 0.8–1.25)")
-    if cuda and not results.get("cuda_graph_sees_merge"):
-        failed.append("a CUDA graph replay did not see the in-place merge")
-    if cuda and not results["peak_gib logra r=64"] < results["peak_gib dense"]:
-        failed.append(
-            f"LoGRA r=64 peak {results['peak_gib logra r=64']:.3g} GiB not below dense {results['peak_gib dense']:.3g}"
-        )
-    return failed
-
-
-def fsdp_step(device: torch.device, shape: dict, tokens: int) -> float:
-    """One LoGRA step (backward, prepare, commit) of a 2-layer model under FSDP2 with bf16 compute."""
-    torch.manual_seed(0)
-    model = model_of(shape, layers=2).to(device)
-    mesh = init_device_mesh(device.type, (1,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = LoGRAOptimizer(model, LoGRAConfig(rank=64))
-    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
-    sync(device)
-    start = time.perf_counter()
-    loss_of(model, ids, torch.float32).backward()
-    opt.prepare(num_tokens=tokens)
-    opt.commit(1.0)
-    sync(device)
-    return time.perf_counter() - start
-
-
-def train_worker_setup(device: torch.device, shape: dict) -> dict:
-    """The trainer's own set-up path (TrainWorker, 1 rank) on a 2-layer model of `shape`, fp32 compute."""
-    from logra_rl.config import ClusterConfig, ModelConfig, RunConfig
-    from logra_rl.rl import token_logprobs
-    from logra_rl.train.batch import TrainBatch
-    from logra_rl.train.worker import TrainWorker
-
-    torch.manual_seed(3)
-    reference = model_of(shape, layers=2)
-    with tempfile.TemporaryDirectory() as directory:
-        reference.save_pretrained(directory)
-        config = RunConfig(
-            model=ModelConfig(path=directory, builder=None, compute_dtype="float32"),
-            cluster=ClusterConfig(train_workers=1, device=device.type),
-            logra=LoGRAConfig(rank=32),
-        )
-        worker = TrainWorker(config, directory, rank=0, world_size=1)
-        start = time.perf_counter()
-        worker.setup("127.0.0.1", 29532)
-        setup_s = time.perf_counter() - start
-        try:
-            state = worker.full_state()
-            buckets = worker.resync_buckets(64 * 2**20)
-            parts = {k: v for bucket in buckets for k, v in worker.full_state(bucket.keys).items()}
-            ids = torch.randint(0, shape["vocab_size"], (2, 128))
-            batch = TrainBatch(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                loss_mask=torch.ones(ids.shape),
-                rollout_logprobs=torch.zeros(ids.shape),
-                advantages=torch.zeros(2),
-                completed=torch.ones(2, dtype=torch.bool),
-            )
-            got = worker.logprobs(batch)[:, 1:]
-        finally:
-            worker.shutdown()
-    expected = reference.state_dict()
-    with torch.no_grad():
-        want = token_logprobs(reference(input_ids=ids).logits, ids, config.rollout.temperature)
-    return {
-        "worker_setup_s": setup_s,
-        "worker_state_exact": all(torch.equal(state[k], v) for k, v in expected.items()),
-        "worker_buckets_exact": all(torch.equal(parts[k], v) for k, v in expected.items()),
-        "worker_logprob_max_abs_diff": float((got - want).abs().max()),
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    plan = Plan.build(args.small, args.tokens, args.merge_layers)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "mode": "small" if args.small else "full",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "logra"} | {"logra": plan.logra.to_dict()},
+        "budget_s": BUDGET_S,
     }
+    report = Report(Path(args.out) / "gpu_check.json", meta)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    ctx = Context(plan, device, scratch)
+    try:
+        for name in chosen:
+            report.run(name, SECTION_FUNCTIONS[name], ctx)
+            if name == WORKER_SECTIONS[-1]:  # the worker's sections are done: free its process group and memory
+                if ctx.worker is not None:
+                    ctx.worker.shutdown()
+                ctx.worker = ctx.merger = ctx.payload = None
+                ctx.before, ctx.after = {}, {}
+                release(device)
+    finally:
+        if ctx.worker is not None:
+            ctx.worker.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.write()
+    report.table()
+    print(f"wrote {report.path}")
+    if device.type == "cuda" and not args.small and not args.only and report.data["total_s"] > BUDGET_S:
+        print(f"WARNING the run took {report.data['total_s']:.0f} s, over the {BUDGET_S} s budget of one H200")
+    for line in report.data["failed_checks"]:
+        print(f"FAILED {line}")
+    return 1 if report.data["failed_checks"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

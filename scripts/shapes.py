@@ -27,7 +27,7 @@ class Shape:
     """A decoder-only model shape; `family` picks the transformers class."""
 
     name: str
-    family: str  # qwen3 | qwen2 | gemma3
+    family: str  # qwen3 | qwen2 | gemma3 (the text model alone) | gemma3-mm (as released: with the vision tower)
     hidden: int
     intermediate: int
     layers: int
@@ -52,6 +52,11 @@ class Shape:
             return transformers.Qwen2Config(max_position_embeddings=32768, **common)
         if self.family == "gemma3":
             return transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
+        if self.family == "gemma3-mm":  # the released checkpoints: the decoder under model.language_model
+            text = transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
+            return transformers.Gemma3Config(
+                text_config=text.to_dict(), vision_config=GEMMA3_VISION, mm_tokens_per_image=256
+            )
         return transformers.Qwen3Config(head_dim=self.head_dim, attention_dropout=0.0, **common)
 
     def model_class(self) -> type[nn.Module]:
@@ -59,6 +64,7 @@ class Shape:
             "qwen3": transformers.Qwen3ForCausalLM,
             "qwen2": transformers.Qwen2ForCausalLM,
             "gemma3": transformers.Gemma3ForCausalLM,
+            "gemma3-mm": transformers.Gemma3ForConditionalGeneration,
         }
         return classes[self.family]
 
@@ -68,7 +74,11 @@ TRAIN_SHAPE = Shape("qwen3-0.37B", "qwen3", 1024, 3072, 24, 16, 8, 64, 32768, Fa
 QUICK_TRAIN_SHAPE = Shape("qwen3-21M", "qwen3", 512, 1536, 4, 8, 4, 64, 8192, False)
 QWEN25_1P5B = Shape("Qwen2.5-1.5B", "qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True)
 QWEN25_7B = Shape("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 128, 151936, False)
-GEMMA3_27B = Shape("Gemma-3-27B (text)", "gemma3", 5376, 21504, 62, 32, 16, 128, 262208, True)
+# Gemma 3 27B as released (`Gemma3ForConditionalGeneration`): its SigLIP vision tower (~0.4B) beside the decoder
+GEMMA3_VISION = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896
+)
+GEMMA3_27B = Shape("Gemma-3-27B", "gemma3-mm", 5376, 21504, 62, 32, 16, 128, 262208, True)
 SHAPES = {"qwen2.5-1.5b": QWEN25_1P5B, "qwen2.5-7b": QWEN25_7B, "gemma3-27b": GEMMA3_27B, "qwen3-0.37b": TRAIN_SHAPE}
 
 

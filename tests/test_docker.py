@@ -14,10 +14,12 @@ def instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
 
 
-def test_the_image_has_a_cuda_13_runtime_the_gpu_extra_and_the_scripts():
+def test_the_image_has_cuda_13_with_nvcc_the_gpu_extra_and_the_scripts():
     steps = instructions()
     base = [args for op, args in steps if op == "FROM"]
-    assert len(base) == 1 and re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-(cudnn-)?runtime-ubuntu\d\d\.\d\d", base[0])
+    # devel: FlashInfer (from vLLM's PyPI wheel, without prebuilt kernels) compiles with nvcc at run time
+    assert len(base) == 1 and re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-(cudnn-)?devel-ubuntu\d\d\.\d\d", base[0])
+    assert "ninja-build" in " ".join(args for op, args in steps if op == "RUN")
     copied = [args.split()[0] for op, args in steps if op == "COPY"]
     assert {"pyproject.toml", "logra_rl", "scripts"} <= set(copied)
     installs = " ".join(args for op, args in steps if op == "RUN")
@@ -29,3 +31,10 @@ def test_the_gpu_extra_pins_the_vllm_the_image_is_built_for():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert project["project"]["optional-dependencies"]["gpu"] == ["vllm==0.33.0"]
     assert "driver ≥ 580" in (REPO / "docs" / "gpu.md").read_text()  # the floor vLLM 0.33's CUDA 13 needs
+
+
+def test_the_image_states_the_host_driver_it_needs():
+    """`docker inspect` shows it: CUDA 13 needs a host driver of 580 or newer (the run's start-up check names the
+    driver found when it is older)."""
+    labels = " ".join(args for op, args in instructions() if op == "LABEL")
+    assert 'logra-rl.requires.nvidia-driver=">=580"' in labels and "NVIDIA driver >= 580" in labels

@@ -35,7 +35,7 @@ from logra_rl.logra.optimizer import LoGRAOptimizer
 from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
 from logra_rl.logra.projection import canonical_name, make_projection, projection_fingerprint, projection_seed
 from logra_rl.logra.rowadam import row_adam_direction
-from logra_rl.logra.targets import check_rank, find_targets
+from logra_rl.logra.targets import check_rank, decoder_layers, decoder_of, find_targets
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -56,6 +56,8 @@ __all__ = [
     "apply_payload",
     "canonical_name",
     "check_rank",
+    "decoder_layers",
+    "decoder_of",
     "exact_kl",
     "find_targets",
     "finite_difference_kl",

@@ -84,7 +84,7 @@ class LoGRAConfig:
     epsilon: float = 1e-8
     update_ratio: float = 6e-5  # ‖ΔW‖/‖W‖ over all targets at α = 1
     wire_dtype: str = "bfloat16"  # dtype of the factor U, in the payload and in the trainer's own merge
-    merge_chunk_rows: int = 256  # rows per fp32 GEMM when merging U·A into a weight
+    merge_chunk_rows: int = 0  # rows per chunk when merging U·A into a weight; 0: about 2^24 elements a chunk
     kl: KLConfig = field(default_factory=KLConfig)
 
     def __post_init__(self) -> None:
@@ -106,7 +106,12 @@ class LoGRAConfig:
         check_positive("logra.epsilon", self.epsilon)
         check_positive("logra.update_ratio", self.update_ratio)
         check_choice("logra.wire_dtype", self.wire_dtype, WIRE_DTYPES)
-        check_positive_int("logra.merge_chunk_rows", self.merge_chunk_rows)
+        check(
+            isinstance(self.merge_chunk_rows, int) and self.merge_chunk_rows >= 0,
+            "logra.merge_chunk_rows",
+            self.merge_chunk_rows,
+            "must be an integer >= 0 (0: chunks of about 2^24 elements)",
+        )
         if isinstance(self.kl, dict):
             object.__setattr__(self, "kl", from_mapping(KLConfig, self.kl, "logra.kl."))
         check(isinstance(self.kl, KLConfig), "logra.kl", self.kl, "must be a KLConfig or a mapping")

@@ -28,6 +28,10 @@ from logra_rl.logra.projection import projection_fingerprint
 RESIDUAL_DTYPES = {"tail": torch.int16, "float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
 TIE = 0x8000  # a master exactly halfway between two bf16 values: the tail would be +2^15, one past int16
 BF16_STEP = 0x10000  # one bf16 step in the fp32 bit pattern
+# `merge_chunk_rows: 0` sizes a chunk to about this many elements. On a GPU, 2^24 (a float64 change of 128 MiB):
+# a 7B payload in a few hundred chunks, not thousands of small ones each a dozen kernel launches. On a CPU,
+# 2^20: the elementwise passes of a chunk stay in cache (larger chunks measured no faster there).
+CHUNK_ELEMENTS = {"cuda": 2**24, "cpu": 2**20}
 
 
 class PayloadRefused(ValueError):
@@ -57,7 +61,7 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight_key = _value_order(weight.float().view(torch.int32))
     tail = key - weight_key
     tie = tail == TIE
-    if bool(tie.any()):
+    if master.is_cuda or bool(tie.any()):  # on a GPU, `any` would wait for the device: always branch-free
         up = _value_order(weight_key + BF16_STEP).view(torch.float32).to(torch.bfloat16)  # exact: a bf16 value
         weight = torch.where(tie, up, weight)
         tail = torch.where(tie, tail - BF16_STEP, tail)
@@ -88,6 +92,12 @@ def new_residual(weight: torch.Tensor, residual_dtype: str) -> torch.Tensor | No
     return None if dtype is None else torch.zeros_like(weight, dtype=dtype)
 
 
+def chunk_rows_for(chunk_rows: int, k_in: int, device: torch.device) -> int:
+    """Rows per merge chunk: `chunk_rows`, or for 0 about `CHUNK_ELEMENTS` elements of a module with `k_in`
+    columns (its full HF width, so every holder of a row, sharded or not, cuts the same chunks)."""
+    return chunk_rows if chunk_rows > 0 else max(1, CHUNK_ELEMENTS.get(device.type, 2**20) // k_in)
+
+
 def row_chunks(rows: int, chunk_rows: int, row_offset: int = 0) -> list[slice]:
     """Local row slices whose global boundaries are multiples of `chunk_rows`."""
     first = (-row_offset) % chunk_rows or chunk_rows  # local rows before the next global boundary
@@ -95,7 +105,9 @@ def row_chunks(rows: int, chunk_rows: int, row_offset: int = 0) -> list[slice]:
     return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], rows], strict=True)]
 
 
-def low_rank_change(factor: torch.Tensor, projection: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+def low_rank_change(
+    factor: torch.Tensor, projection: torch.Tensor, signs: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """factor·projection as fp32, with one value per element whatever the chunk shape, shard layout or
     GEMM kernel (whose reduction order varies with the shape, on GPUs especially).
 
@@ -103,10 +115,12 @@ def low_rank_change(factor: torch.Tensor, projection: torch.Tensor, signs: torch
     ±U entries, exact in float64 in any order (unless a row of U spans more than 2^37 in magnitude), scaled
     by c and rounded to fp32 once: trainer and engines get the same bits. Without `signs` (a Gaussian A)
     the product runs in float64: exact products, sums accurate to ~1e-16 before the one rounding.
+    `scale` (c as float64) may be passed in by a caller that merges many chunks with the same A.
     """
     if signs is None:
         return (factor.double() @ projection.double()).float()
-    scale = projection.abs().amax().double()
+    if scale is None:
+        scale = projection.abs().amax().double()
     return ((factor.double() @ signs) * scale).float()
 
 
@@ -124,8 +138,9 @@ def merge_low_rank_(
     factor: torch.Tensor,
     projection: torch.Tensor,
     residual: torch.Tensor | None = None,
-    chunk_rows: int = 256,
+    chunk_rows: int = 0,
     row_offset: int = 0,
+    k_in: int | None = None,
 ) -> None:
     """weight ← weight − factor·projection in place, in row chunks, rounding once per element.
 
@@ -135,14 +150,21 @@ def merge_low_rank_(
     Each element's change comes from `low_rank_change`, which does not depend on the chunking, so
     holders of a row with different shard or tensor-parallel layouts compute the same bits;
     `row_offset` (the global index of weight's first row) still aligns chunks to global multiples
-    of `chunk_rows`.
+    of `chunk_rows` (0: sized by `chunk_rows_for` from `k_in`, the module's full width, default the
+    projection's).
+
+    Made for a GPU as much as a CPU: the factor moves to the device once (asynchronously when it is pinned),
+    A's signs and scale are found once, and no chunk waits for the device.
     """
     projection = projection.to(device=weight.device, dtype=torch.float32)
     signs = rademacher_signs(projection)
+    scale = None if signs is None else projection.abs().amax().double()
+    factor = factor.to(weight.device, non_blocking=True)
+    chunk_rows = chunk_rows_for(chunk_rows, k_in or projection.shape[1], weight.device)
     exact_in_place = weight.dtype == torch.float32 and residual is None
     with torch.no_grad():
         for rows in row_chunks(weight.shape[0], chunk_rows, row_offset):
-            change = low_rank_change(factor[rows].to(weight.device), projection, signs)
+            change = low_rank_change(factor[rows], projection, signs, scale)
             if exact_in_place:
                 weight[rows].sub_(change)
                 continue
@@ -220,6 +242,7 @@ def _merge_entries(payload: UpdatePayload, targets: Mapping[str, MergeTarget], c
             target.residual,
             chunk_rows,
             row_offset=target.rows.start or 0,
+            k_in=entry.k_in,
         )
 
 
@@ -228,7 +251,7 @@ def apply_payload(
     weights: Mapping[str, torch.Tensor],
     version: int,
     residuals: Mapping[str, torch.Tensor] | None = None,
-    chunk_rows: int = 256,
+    chunk_rows: int = 0,
 ) -> int:
     """Merge `payload` into HF-layout `weights` held at `version`; return the new version.
 
@@ -248,7 +271,7 @@ class PayloadMerger:
     weights passes its own `MergeTarget`s (see `logra_rl.rollout.vllm_layout`).
     """
 
-    def __init__(self, targets: Mapping[str, MergeTarget], version: int = 0, chunk_rows: int = 256) -> None:
+    def __init__(self, targets: Mapping[str, MergeTarget], version: int = 0, chunk_rows: int = 0) -> None:
         self.targets = dict(targets)
         self.version = version
         self.chunk_rows = chunk_rows

@@ -21,6 +21,7 @@ import sys
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from logra_rl.logra.projection import make_projection, projection_seed
@@ -112,7 +113,9 @@ class UpdatePayload:
         return buffer
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> UpdatePayload:
+    def from_bytes(cls, data: bytes | bytearray | memoryview, pin_memory: bool = False) -> UpdatePayload:
+        """Parse and verify (one digest pass) a payload; the factors are views of one copy of its bytes, in
+        page-locked memory with `pin_memory` (a CUDA receiver: one asynchronous host-to-device copy each)."""
         view = memoryview(data)
         if len(view) < 12 or bytes(view[:8]) != MAGIC:
             raise PayloadFormatError("not a LoGRA payload (bad magic bytes)")
@@ -131,13 +134,14 @@ class UpdatePayload:
             raise PayloadFormatError(f"LoGRA payload truncated: {len(blob)} factor bytes, header says {factor_bytes}")
         if hashlib.blake2b(blob, digest_size=16).hexdigest() != header["factor_digest"]:
             raise PayloadFormatError("LoGRA payload factors do not match their digest (corrupted in transit)")
-        storage = bytearray(blob)  # writable copy shared by all factors
+        storage = torch.empty(len(blob), dtype=torch.uint8, pin_memory=pin_memory)  # the one copy
+        storage.numpy()[:] = np.frombuffer(blob, dtype=np.uint8)
         entries, offset = [], 0
         for name, d_out, k_in in modules:
-            count = d_out * rank
-            factor = torch.frombuffer(storage, dtype=dtype, count=count, offset=offset).view(d_out, rank)
+            nbytes = d_out * rank * dtype.itemsize
+            factor = storage[offset : offset + nbytes].view(dtype).view(d_out, rank)
             entries.append(PayloadEntry(name=name, d_out=d_out, k_in=k_in, factor=factor))
-            offset += count * factor.element_size()
+            offset += nbytes
         return cls(
             base_version=header["base_version"],
             new_version=header["new_version"],

@@ -8,9 +8,15 @@ use the CPU device with gloo. So the scheduling code tested on CPU is the code a
 from __future__ import annotations
 
 import os
+import re
+import socket
+import subprocess
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -31,12 +37,31 @@ def gpus_needed(config: RunConfig) -> int:
 
 
 def start_ray(config: RunConfig) -> bool:
-    """Join `ray.address`, or start a local Ray; returns True when this call started Ray."""
+    """Join a Ray cluster or start a private one; returns True when this call connected to Ray (ray.init), so
+    the caller's `ray.shutdown()` stops a Ray it started and only disconnects from a cluster it joined.
+
+    `ray.address` unset joins a cluster already running on this node (`RAY_ADDRESS`, else the last `ray start`),
+    as a bare `ray.init()` (verl, OpenRLHF) does; `ray.address=local` starts a private Ray beside it."""
     if ray.is_initialized():
         return False
+    if config.cluster.device != "cpu":
+        check_cuda()
     runtime_env = {"env_vars": WORKER_ENV}
-    if config.ray.address:
-        ray.init(address=config.ray.address, runtime_env=runtime_env, log_to_driver=True)
+    address = config.ray.address
+    found = local_cluster() if address is None else None
+    if address != "local" and (address or found):
+        ray.init(address=address or found, runtime_env=runtime_env, log_to_driver=True)
+        try:
+            check_cluster(config, address or found)
+        except ValueError:
+            ray.shutdown()  # disconnects; the cluster runs on
+            raise
+        if found:
+            print(
+                f"[logra] joined the Ray cluster running on this node at {found} (RAY_ADDRESS or `ray start`); "
+                "ray.address=local runs on a private Ray instead",
+                flush=True,
+            )
         return True
     needed = gpus_needed(config)
     cuda = torch.cuda.device_count()
@@ -51,6 +76,7 @@ def start_ray(config: RunConfig) -> bool:
     if store_mb is None and not cuda:
         store_mb = max(MIN_OBJECT_STORE_MB, int(3 * config.rollout.resync_bucket_mb))
     ray.init(
+        address="local",  # a new Ray even where RAY_ADDRESS or a `ray start` cluster would be joined
         num_cpus=max(os.cpu_count() or 1, cpus),
         num_gpus=cuda or needed,  # logical GPUs on a CPU machine
         object_store_memory=store_mb * 2**20 if store_mb else None,
@@ -58,7 +84,138 @@ def start_ray(config: RunConfig) -> bool:
         runtime_env=runtime_env,
         log_to_driver=True,
     )
+    if config.ray.address == "local":
+        print(
+            "[logra] started a private Ray for this run (ray.address=local); without it the run joins a Ray cluster "
+            "running on this node (`ray start`)",
+            flush=True,
+        )
     return True
+
+
+def local_cluster() -> str | None:
+    """The cluster a bare `ray.init()` joins, found Ray's way: `RAY_ADDRESS`, else the address the last
+    `ray start` on this node wrote, if that cluster still answers (a crashed one leaves its file behind)."""
+    from ray._private.services import find_bootstrap_address
+
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address:
+        return None if address == "local" else address
+    address = find_bootstrap_address(None)
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return None
+    return address
+
+
+def check_cluster(config: RunConfig, address: str) -> None:
+    """Fail now, naming the fix, when the joined cluster lacks the GPUs or CPUs the run's bundles ask for (its
+    placement groups would otherwise wait PLACEMENT_TIMEOUT_S and fail)."""
+    resources = ray.cluster_resources()
+    gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
+    need_gpus = gpus_needed(config)
+    need_cpus = config.cluster.cpus_per_worker * (config.cluster.train_workers + config.rollout.num_engines)
+    if gpus < need_gpus or cpus < need_cpus:
+        raise ValueError(
+            f"the Ray cluster at {address} has {gpus:g} GPUs and {cpus:g} CPUs; this run needs {need_gpus} GPUs "
+            f"(cluster.train_workers + rollout.num_engines × rollout.gpus_per_engine) and {need_cpus:g} CPUs "
+            "(cluster.cpus_per_worker each). Start that cluster with enough (`ray start --head --num-gpus=N`: "
+            "logical GPUs on a CPU machine), lower those settings, or run on a private Ray: ray.address=local"
+        )
+
+
+# The oldest Linux driver of each CUDA major version (CUDA's minor-version compatibility).
+DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}
+NVIDIA_PROC = "/proc/driver/nvidia/version"  # the loaded driver; visible inside containers too
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    """What this node says about CUDA (see `probe_cuda`)."""
+
+    torch_cuda: str | None  # torch.version.cuda: the CUDA torch is built for (None: a CPU build)
+    available: bool  # torch.cuda.is_available()
+    gpus_present: bool  # NVIDIA device files or a loaded NVIDIA driver, and CUDA_VISIBLE_DEVICES not emptied
+    driver: str | None = None  # the kernel driver's version, e.g. "535.104.05"
+    warning: str | None = None  # what torch warned when CUDA failed to initialise
+
+
+def probe_cuda() -> CudaProbe:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and visible.strip() in ("", "-1")  # GPUs hidden on purpose
+    present = not hidden and any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", NVIDIA_PROC))
+    return CudaProbe(
+        torch_cuda=torch.version.cuda,
+        available=available,
+        gpus_present=present,
+        driver=driver_version() if present and not available else None,
+        warning=next((str(w.message) for w in caught if "CUDA" in str(w.message)), None),
+    )
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver's version: /proc (also inside containers), else nvidia-smi."""
+    try:
+        found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", Path(NVIDIA_PROC).read_text())
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout.split()
+        return out[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cuda_problem(probe: CudaProbe) -> str | None:
+    """Why a CUDA build of torch cannot use this node's GPUs, in one message naming the fix; None when there is
+    nothing to say (CUDA works, a CPU build, or no NVIDIA GPU here). Without this check the run would start on
+    the CPU, as on a machine without GPUs."""
+    if probe.available or probe.torch_cuda is None or not probe.gpus_present:
+        return None
+    major = int(probe.torch_cuda.split(".")[0])
+    floor = DRIVER_FLOOR.get(major)
+    found = re.search(r"found version (\d+)", probe.warning or "")  # torch: the CUDA the driver supports, 12020
+    if probe.driver:
+        driver, too_old = f"driver {probe.driver}", floor is not None and int(probe.driver.split(".")[0]) < floor
+    elif found:
+        supported = int(found.group(1))
+        driver = f"a driver for CUDA {supported // 1000}.{supported % 1000 // 10}"
+        too_old = floor is not None and supported // 1000 < major
+    else:
+        driver, too_old = "driver version unknown", False
+    if too_old:
+        return (
+            f"this node's NVIDIA GPUs are unusable: torch is built for CUDA {probe.torch_cuda}, which needs NVIDIA "
+            f"driver ≥ {floor}, and the host has {driver}. Upgrade the host's driver to ≥ {floor}, or install outside "
+            "docker a torch and vLLM built for the CUDA this driver supports (docs/gpu.md); cluster.device=cpu runs "
+            "on the CPU anyway"
+        )
+    said = f": {probe.warning.strip()}" if probe.warning else ""
+    return (
+        f"this node has NVIDIA GPUs ({driver}) but torch (CUDA {probe.torch_cuda}) cannot use them{said}. Check "
+        "`nvidia-smi`, CUDA_VISIBLE_DEVICES and, in docker, `docker run --gpus all`; cluster.device=cpu runs on "
+        "the CPU anyway"
+    )
+
+
+class CudaUnusable(OSError):
+    """This node's NVIDIA GPUs cannot be used by this torch (an OSError: `logra-train` says it in one line)."""
+
+
+def check_cuda() -> None:
+    problem = cuda_problem(probe_cuda())
+    if problem:
+        raise CudaUnusable(problem)
 
 
 def cpu_threads(group: PlacementGroup) -> list[int]:
@@ -85,7 +242,8 @@ class WorkerGroup:
     """`count` actors of `cls`, actor i in bundle i of a PACK placement group of {CPU, GPU} bundles,
     built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
     actors' methods and collect the results with `gather`. With `max_restarts`, Ray recreates an actor whose
-    process died in the same bundle, with the same arguments (up to that many times)."""
+    process died in the same bundle, with the same arguments (up to that many times). `env(i)` adds to actor i's
+    environment variables."""
 
     def __init__(
         self,
@@ -96,6 +254,7 @@ class WorkerGroup:
         gpus: float,
         arguments: Callable[[int], Mapping[str, Any]],
         max_restarts: int = 0,
+        env: Callable[[int], Mapping[str, str]] = lambda _: {},
     ) -> None:
         self.name = name
         self.placement_group = placement_group([{"CPU": cpus, "GPU": gpus}] * count, strategy="PACK", name=name)
@@ -114,7 +273,7 @@ class WorkerGroup:
                 num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
                 max_restarts=max_restarts,
-                runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i])}},
+                runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i]), **env(i)}},
             ).remote(**arguments(i))
             for i in range(count)
         ]

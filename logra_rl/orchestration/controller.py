@@ -333,4 +333,7 @@ class Controller:
 
     def teardown(self) -> None:
         self.preemption.shutting_down = True
-        self._resources.close()
+        try:
+            self._resources.close()
+        finally:
+            self.preemption.disarm()

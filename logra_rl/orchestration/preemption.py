@@ -41,8 +41,15 @@ class Preemption:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        self.disarm()
+
+    def disarm(self) -> None:
+        """Put back the handlers found when first armed (a run's teardown does, so no stale one outlives it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+        self._previous.clear()
 
     @property
     def requested(self) -> bool:

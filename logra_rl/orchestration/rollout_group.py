@@ -21,8 +21,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from logra_rl.config import RunConfig
 from logra_rl.orchestration.cluster import WorkerGroup
-from logra_rl.rollout import Completion, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout import Completion, MergeMode, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.base import EngineSpec
+from logra_rl.rollout.vllm_engine import ENGINE_INDEX
 
 
 def engine_class(backend: str) -> type[RolloutEngine]:
@@ -52,6 +53,7 @@ class RolloutGroup:
             gpus=config.rollout.gpus_per_engine,
             arguments=lambda _: {"spec": spec},
             max_restarts=self.max_restarts,
+            env=lambda e: {ENGINE_INDEX: str(e)},  # vLLM: a compile cache per engine (engine_cache_root)
         )
         self.engines = self.workers.actors
         self.restarts = 0  # engines restarted in this run (fault/engine_restarts)
@@ -69,6 +71,10 @@ class RolloutGroup:
             lambda e, engine: engine.generate.remote([prompts[i] for i in chunks[e]], params, seed + e), used
         )
         return [c for e in used for c in results[e]]
+
+    def merge_modes(self) -> list[MergeMode]:
+        results = self._each(lambda e, engine: engine.merge_mode.remote(), range(len(self)))
+        return [results[e] for e in range(len(self))]
 
     def apply_payload(self, payload: ray.ObjectRef) -> list[SyncResult]:
         results = self._each(lambda e, engine: engine.apply_payload.remote(payload), range(len(self)))

@@ -1,11 +1,16 @@
 """WeightSync: every way the trainer's weights reach the rollout engines.
 
 - a step's `LowRankPayloads` are broadcast to every engine, in order; each engine version-gates them;
-- a refused payload, a dense / LoRA update (`FullResync`), an engine left at another version, or the
-  periodic `rollout.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets
-  through Ray's object store, and the engines load bf16(master) with exact residuals;
+- a refused payload, a dense / LoRA update (`FullResync`), an engine left at another version, a drift
+  probe that reads a difference where the merges are exact, or the optional periodic
+  `rollout.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets through Ray's
+  object store, and the engines load bf16(master) with exact residuals;
 - `NoChange` (every update skipped) sends nothing;
 - after every sync the drift probe compares engine weights with bf16(master) at seeded coordinates.
+
+A LoGRA run needs engines that merge payloads in place: one that cannot (an unknown or quantized layout)
+stops the run at start-up with the engine's reason, unless `rollout.allow_resync_fallback` accepts a full
+resync per update.
 
 It keeps each engine's last reported version; the train group owns the version itself.
 """
@@ -19,9 +24,30 @@ from logra_rl.config import RunConfig
 from logra_rl.logra import split_master
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
-from logra_rl.rollout import SyncResult
+from logra_rl.rollout import MergeMode, SyncResult
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
 from logra_rl.utils.seeding import DRIFT_STREAM, stream_seed
+
+
+class InPlaceMergeRefused(ValueError):
+    """A LoGRA run's engines cannot merge payloads in place and the run did not accept full resyncs."""
+
+
+def check_in_place(modes: list[MergeMode], allow_resync_fallback: bool) -> None:
+    """Stop a LoGRA run whose engines would turn every update into a full resync, unless it is allowed."""
+    reasons = sorted({mode.reason for mode in modes if mode.mode == "resync"})
+    if not reasons:
+        print(f"[logra-train] LoGRA payloads merge into the engines: {', '.join(m.mode for m in modes)}", flush=True)
+        return
+    if allow_resync_fallback:
+        print(f"[logra-train] every update is a full resync (rollout.allow_resync_fallback): {reasons[0]}", flush=True)
+        return
+    raise InPlaceMergeRefused(
+        f"the rollout engines cannot merge LoGRA payloads in place: {'; '.join(reasons)}. Every update would be a "
+        "full resync of the fp32 weights (at 7B about 30 GB a step); use a model whose layout the engines merge "
+        "into (Qwen2/2.5/3, Llama, Gemma 3, SmolLM2, unquantized), or set rollout.allow_resync_fallback=true to "
+        "run with full resyncs"
+    )
 
 
 class WeightSync:
@@ -38,6 +64,10 @@ class WeightSync:
         self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift probe looks
         self.buckets = train.resync_buckets(int(config.rollout.resync_bucket_mb * 2**20))
         self.engine_versions = [-1] * len(rollout)  # -1: not loaded yet
+        # the residual keeps every engine weight at bf16(master) exactly: a drift is a fault to repair
+        self.exact = config.rollout.dtype == "float32" or config.rollout.residual in ("tail", "float32")
+        if config.optimizer.name == "logra":
+            check_in_place(rollout.merge_modes(), config.rollout.allow_resync_fallback)
 
     def full_resync(self, version: int, engines: list[int] | None = None) -> float:
         """Load bf16(master) (with exact residuals) into every engine (or `engines`: restarted ones); returns
@@ -71,8 +101,9 @@ class WeightSync:
         return self.full_resync(version)
 
     def sync(self, update: WeightUpdate, version: int, step: int) -> dict[str, float]:
-        """Bring every engine to `version` after `update`; resync fully on refusal, for dense/LoRA updates
-        and every `rollout.resync_every` steps. Returns the sync/* metrics, drift probe included."""
+        """Bring every engine to `version` after `update`; resync fully on refusal, for dense/LoRA updates,
+        when the drift probe finds a difference exact merges cannot leave, and every `rollout.resync_every`
+        steps if set. Returns the sync/* metrics, with the drift the probe read before any repair."""
         resync_every = self.config.rollout.resync_every
         needs_resync = isinstance(update, FullResync) or bool(resync_every and (step + 1) % resync_every == 0)
         refused, payload_bytes = 0, 0.0
@@ -88,11 +119,20 @@ class WeightSync:
             raise TypeError(f"unknown weight update {update!r}")
         # a refusal leaves the engine needing a resync even when its version is right (a duplicate payload)
         needs_resync = needs_resync or refused > 0 or any(v != version for v in self.engine_versions)
+        resync_bytes = self.full_resync(version) if needs_resync else 0.0
+        drift = self.drift(step)
+        if drift > 0 and self.exact:
+            print(
+                f"[logra-train] step {step}: the engines' weights differ from bf16(master) by up to {drift:.3g} "
+                "where exact merges leave none: full resync",
+                flush=True,
+            )
+            resync_bytes += self.full_resync(version)
         return {
             "sync/payload_bytes": payload_bytes,
             "sync/refused": float(refused),
-            "sync/full_resync_bytes": self.full_resync(version) if needs_resync else 0.0,
-            "sync/weight_max_abs_diff": self.drift(step),
+            "sync/full_resync_bytes": resync_bytes,
+            "sync/weight_max_abs_diff": drift,
         }
 
     def _record(self, results: dict[int, SyncResult]) -> None:

@@ -40,6 +40,16 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
+class MergeMode:
+    """How an engine takes LoGRA payloads, decided at its start: `in_place` (into its own weights), `shadow`
+    (vLLM on CPU: into HF-layout copies reloaded after each payload) or `resync` (it cannot merge: `reason`;
+    every update would be a full resync)."""
+
+    mode: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """Everything an engine is built from (the `rollout` group plus what it needs from the others)."""
 
@@ -80,6 +90,9 @@ class RolloutEngine(Protocol):
     def __init__(self, spec: EngineSpec) -> None: ...
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]: ...
+
+    def merge_mode(self) -> MergeMode:
+        """Whether payloads merge in place, decided at start-up."""
 
     def apply_payload(self, payload: bytes) -> SyncResult:
         """Merge a LoGRA payload in place (version-gated); a refusal is reported, never raised."""

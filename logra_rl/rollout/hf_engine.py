@@ -17,7 +17,7 @@ from transformers.generation import LogitsProcessor, LogitsProcessorList, Temper
 
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
 from logra_rl.models.head import fold_head_inputs
-from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout.base import Completion, EngineSpec, MergeMode, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import release_free_memory
@@ -80,6 +80,9 @@ class HFEngine(RolloutEngine):
     def version(self) -> int:
         return self.merger.version
 
+    def merge_mode(self) -> MergeMode:
+        return MergeMode("in_place")  # the HF weights are the targets themselves
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
         """Sample `params.n` responses per prompt, with per-token sampling log-probs, in batches of rows."""
@@ -127,7 +130,7 @@ class HFEngine(RolloutEngine):
         """Any failure (refusal, bad bytes, an error mid-merge) is reported, never raised: the weight sync
         answers it with a full resync."""
         try:
-            self.merger.apply(UpdatePayload.from_bytes(payload))
+            self.merger.apply(UpdatePayload.from_bytes(payload, pin_memory=self.device.type == "cuda"))
         except Exception as error:
             return SyncResult(applied=False, version=self.version, reason=f"{type(error).__name__}: {error}")
         finally:

@@ -15,12 +15,20 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from logra_rl.rollout.base import Completion, EngineSpec, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout.base import Completion, EngineSpec, MergeMode, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.resync import bucket_tensors
 from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.shards import combine_shards
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
+ENGINE_INDEX = "LOGRA_ENGINE_INDEX"  # set by RolloutGroup in each engine actor's environment
+
+
+def engine_cache_root(index: int, environ: Mapping[str, str]) -> str:
+    """VLLM_CACHE_ROOT of engine `index`: its own directory in the user's vLLM cache (kept across runs), so engines
+    compiling at once never write one torch.compile / Triton cache (four in one ~/.cache/vllm corrupted it)."""
+    root = environ.get("VLLM_CACHE_ROOT") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "vllm")
+    return os.path.join(os.path.expanduser(root), f"engine_{index}")
 
 
 def cpu_thread_binding(workers: int) -> str:
@@ -54,6 +62,9 @@ def cpu_kv_cache_gib(per_token: int, max_model_len: int, max_num_seqs: int, max_
 class VLLMEngine(RolloutEngine):
     def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # a RolloutGroup engine's own compile cache; popped, so a second engine in this process nests no deeper
+        if (index := os.environ.pop(ENGINE_INDEX, None)) is not None:
+            os.environ["VLLM_CACHE_ROOT"] = engine_cache_root(int(index), os.environ)
         tensor_parallel = {}
         if spec.tensor_parallel_size > 1:
             # Inside a Ray placement group vLLM would pick its Ray executor, which refuses a bundle of several
@@ -94,8 +105,11 @@ class VLLMEngine(RolloutEngine):
         modes = self.llm.collective_rpc(
             "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows)
         )
-        self.mode = modes[0]["mode"]  # in_place | shadow | resync (every update a full resync)
-        print(f"[logra vLLM engine] LoGRA merges: {self.mode} {modes[0]['refusal']}".rstrip(), flush=True)
+        self.mode = MergeMode(modes[0]["mode"], modes[0]["refusal"])
+        print(f"[logra vLLM engine] LoGRA merges: {self.mode.mode} {self.mode.reason}".rstrip(), flush=True)
+
+    def merge_mode(self) -> MergeMode:
+        return self.mode
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -133,7 +147,7 @@ class VLLMEngine(RolloutEngine):
         return SyncResult(applied=True, version=versions.pop())
 
     def apply_payload(self, payload: bytes) -> SyncResult:
-        return self._sync("logra_apply", bytes(payload))
+        return self._sync("logra_apply", payload)  # as Ray delivered it: each TP worker parses it once
 
     def load_weights(
         self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1

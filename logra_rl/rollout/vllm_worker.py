@@ -29,6 +29,7 @@ from logra_rl.logra import (
     MergeTarget,
     PayloadMerger,
     UpdatePayload,
+    decoder_layers,
     find_targets,
     hf_targets,
 )
@@ -56,16 +57,27 @@ def geometry_of(layer: torch.nn.Module) -> LayerGeometry:
     )
 
 
-# The decoder-layer modules the in-place plan maps HF targets onto (Qwen2 / Qwen2.5, Qwen3, Llama and
-# SmolLM2 in vLLM); any other layout fails closed to full resyncs.
+# The decoder-layer modules the in-place plan maps HF targets onto (Qwen2 / Qwen2.5, Qwen3, Llama, Gemma 3
+# and SmolLM2 in vLLM); any other layout fails closed to full resyncs.
 FUSED_LAYOUT = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def language_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """vLLM's text model: a multimodal model's (Gemma 3's `language_model`, through vLLM's own
+    `get_language_model`), or the model itself."""
+    get_language_model = getattr(model, "get_language_model", None)
+    return get_language_model() if callable(get_language_model) else model
+
+
+def vllm_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    return getattr(getattr(language_model_of(model), "model", None), "layers", None)
 
 
 def layout_refusal(model: torch.nn.Module) -> str:
     """Why `model` is not a layout the in-place (or shadow) merges know, or "" when it is."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = vllm_layers(model)
     if layers is None or len(layers) == 0:
-        return f"{type(model).__name__} has no model.layers: not a decoder layout the in-place merges know"
+        return f"{type(model).__name__} has no decoder layers (model.layers): not a layout the in-place merges know"
     modules = dict(layers[0].named_modules())
     missing = [name for name in FUSED_LAYOUT if name not in modules]
     if missing:
@@ -76,17 +88,22 @@ def layout_refusal(model: torch.nn.Module) -> str:
     return ""
 
 
-def in_place_targets(model: torch.nn.Module, residual_dtype: str, target_modules: tuple[str, ...]) -> dict:
-    """MergeTargets over vLLM's own parameters, each placement confirmed by a dry run of its loader."""
-    params = dict(model.named_parameters())
+def in_place_targets(
+    model: torch.nn.Module, residual_dtype: str, target_modules: tuple[str, ...], hf_layers: str = "model.layers"
+) -> dict:
+    """MergeTargets over vLLM's own parameters, each placement confirmed by a dry run of its loader; keyed by
+    HF module name, under `hf_layers` (the HF model's decoder layers: `model.language_model.layers` for Gemma 3)."""
+    language_model = language_model_of(model)
+    params = dict(language_model.named_parameters())
     residuals: dict[str, torch.Tensor | None] = {}
     targets = {}
-    for index, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{index}"
-        for name, placement in layer_placements(prefix, geometry_of(layer)).items():
-            leaf = name.rsplit(".", 1)[-1]
+    for index, layer in enumerate(language_model.model.layers):
+        prefix = f"model.layers.{index}"  # vLLM's name within its text model
+        for local_name, placement in layer_placements(prefix, geometry_of(layer)).items():
+            leaf = local_name.rsplit(".", 1)[-1]
             if leaf not in target_modules:
                 continue
+            name = f"{hf_layers}.{index}{local_name.removeprefix(prefix)}"
             param = params[placement.param]
             if param.numel() == 0 or param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise ValueError(
@@ -120,6 +137,7 @@ class LograWorkerExtension:
         model = self.model_runner.get_model()
         twin = _hf_twin(self.model_config.hf_config)
         shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
+        hf_layers = decoder_layers(twin)[0]
         self.logra_refusal, targets = layout_refusal(model), {}
         if self.logra_refusal:
             self.logra_mode = "resync"
@@ -132,7 +150,8 @@ class LograWorkerExtension:
             targets = hf_targets(weights, residual)
         else:
             try:
-                self.logra_mode, targets = "in_place", in_place_targets(model, residual, tuple(target_modules))
+                targets = in_place_targets(model, residual, tuple(target_modules), hf_layers)
+                self.logra_mode = "in_place"
             except ValueError as refusal:
                 self.logra_mode, self.logra_refusal = "resync", str(refusal)
         if self.logra_mode == "resync":
@@ -146,7 +165,7 @@ class LograWorkerExtension:
             return {"applied": False, "version": self.logra_merger.version, "reason": self.logra_refusal}
         try:
             with torch.inference_mode():
-                self.logra_merger.apply(UpdatePayload.from_bytes(payload))
+                self.logra_merger.apply(UpdatePayload.from_bytes(payload, pin_memory=torch.cuda.is_available()))
             if self.logra_mode == "shadow":
                 self._logra_push_shadow()
         except Exception as error:
@@ -230,7 +249,7 @@ def muted(loggers: tuple[str, ...], messages: tuple[str, ...]) -> Iterator[None]
 
 
 def _weights_are_packed(model: torch.nn.Module) -> bool:
-    layer = model.model.layers[0]
+    layer = vllm_layers(model)[0]
     return layer.self_attn.qkv_proj.weight.numel() == 0
 
 

@@ -11,16 +11,20 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from logra_rl.config import OptimizerConfig
+from logra_rl.logra import find_targets
 
 PEFT_PREFIX = "base_model.model."
 
 
 def add_lora(model: nn.Module, config: OptimizerConfig) -> PeftModel:
-    """Freeze `model` and wrap its target linears with rank-`lora_rank` adapters (fp32, no dropout)."""
+    """Freeze `model` and wrap its target linears with rank-`lora_rank` adapters (fp32, no dropout).
+
+    The adapters go on the text decoder's targets only, named in full: peft's own matching by the last name
+    component would also wrap a multimodal model's vision tower."""
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
-        target_modules=list(config.lora_targets),
+        target_modules=[name for name, _ in find_targets(model, tuple(config.lora_targets))],
         lora_dropout=0.0,
         bias="none",
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -28,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import UpdatePayload
+from logra_rl.logra import UpdatePayload, decoder_layers
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
@@ -82,16 +81,19 @@ class TrainWorker:
         self.device = resolve_device(config.cluster.device)
         self.temperature = config.rollout.temperature
         self.rule_class = update_rule_class(config)
+        self.store: dist.TCPStore | None = None  # rank 0's rendezvous, bound by `address`
 
-    @staticmethod
-    def address() -> tuple[str, int]:
-        """An address rank 0 can serve the process group on (called on rank 0 before `setup`)."""
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 serves the process group's rendezvous (called on rank 0 before `setup`). Its TCPStore binds
+        a free port here and holds it until `setup`: a port found free and released would be free for any process
+        to take before the group binds it."""
         import ray  # the worker runs without Ray too (scripts/gpu_check.py on a bare GPU machine)
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(
+            host, 0, self.world_size, is_master=True, timeout=PROCESS_GROUP_TIMEOUT, wait_for_workers=False
+        )
+        return host, self.store.port
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -102,7 +104,19 @@ class TrainWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT)
+        store = self.store  # rank 0's, bound by `address`; else served here (rank 0) or joined, as env:// would
+        if store is None:
+            store = dist.TCPStore(
+                master_addr,
+                master_port,
+                self.world_size,
+                is_master=self.rank == 0,
+                timeout=PROCESS_GROUP_TIMEOUT,
+                multi_tenant=True,
+            )
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, timeout=PROCESS_GROUP_TIMEOUT, store=store
+        )
         loaded = None
         if self.rank == 0:
             loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
@@ -157,7 +171,7 @@ class TrainWorker:
             compute = "bfloat16" if self.device.type == "cuda" else "float32"
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
         base = model.get_base_model() if isinstance(model, PeftModel) else model
-        for layer in base.model.layers:
+        for layer in decoder_layers(base)[1]:  # Gemma 3's sit under model.language_model
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model

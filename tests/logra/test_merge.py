@@ -291,6 +291,32 @@ def test_a_shard_merges_its_rows_in_the_same_chunks_as_the_full_weight():
     assert torch.equal(torch.cat(shards), expected)
 
 
+def test_default_chunks_are_sized_from_the_full_width_and_change_no_bit(monkeypatch):
+    """merge_chunk_rows=0 cuts chunks of about CHUNK_ELEMENTS elements from the module's full width, so a
+    column block of a row-parallel weight (TP) cuts the rows the full weight does; any chunking gives the same
+    bits (the tail residual included), which is what lets a GPU use few large chunks."""
+    monkeypatch.setitem(merge_module.CHUNK_ELEMENTS, "cpu", 48 * 40)  # 40 rows of the full 48 columns
+    assert merge_module.chunk_rows_for(0, 48, torch.device("cpu")) == 40
+    assert merge_module.chunk_rows_for(0, 24, torch.device("cpu")) == 80  # what a half-width block alone would cut
+    assert merge_module.chunk_rows_for(7, 48, torch.device("cpu")) == 7
+    generator = torch.Generator().manual_seed(2)
+    master = torch.randn(300, 48, generator=generator) * 0.02
+    factor = (torch.randn(300, 8, generator=generator) * 1e-4).to(torch.bfloat16)
+    projection = make_projection(8, 48, seed=3, distribution="rademacher")
+    results = []
+    for chunk_rows in (0, 1, 64, 300):
+        weight, tail = split_master(master)
+        merge_low_rank_(weight, factor, projection, tail, chunk_rows=chunk_rows)
+        results.append((weight, tail))
+    assert all(torch.equal(w, results[0][0]) and torch.equal(t, results[0][1]) for w, t in results[1:])
+    weight, tail = split_master(master)
+    block = weight[:, 24:].clone(), tail[:, 24:].clone()  # the second TP rank's columns of a row-parallel weight
+    merge_low_rank_(block[0], factor, projection[:, 24:], block[1], k_in=48)
+    trainer = master - low_rank_change(factor, projection, rademacher_signs(projection))
+    assert torch.equal(join_master(results[0][0], results[0][1]), trainer)  # the fp32 master, bit for bit
+    assert torch.equal(block[0], results[0][0][:, 24:]) and torch.equal(block[1], results[0][1][:, 24:])
+
+
 def test_resync_in_parts_refuses_payloads_until_every_target_arrived():
     trainer = Trainer()
     merger = rollout_copy(trainer.master(), "float32")

@@ -1,13 +1,27 @@
-"""The paper's 4 training + 4 rollout GPU layout, placed on logical GPUs of a CPU machine."""
+"""The paper's 4 training + 4 rollout GPU layout, placed on logical GPUs of a CPU machine; a Ray cluster already
+running on the node; a CUDA torch that cannot use the node's GPUs."""
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
 from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig
-from logra_rl.orchestration.cluster import WorkerGroup, start_ray
+from logra_rl.orchestration.cluster import CudaProbe, WorkerGroup, cuda_problem, probe_cuda, start_ray
+from logra_rl.rollout.vllm_engine import engine_cache_root
+
+RAY = str(Path(sys.executable).with_name("ray"))
 
 
 class Probe:
@@ -60,7 +74,8 @@ class Threads:
     def count(self):
         import torch
 
-        return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.environ.get("TOKENIZERS_PARALLELISM")
+        env = os.environ
+        return torch.get_num_threads(), env["OMP_NUM_THREADS"], env.get("TOKENIZERS_PARALLELISM"), env.get("INDEX")
 
 
 def test_a_group_in_its_phase_gets_the_nodes_cores():
@@ -70,11 +85,133 @@ def test_a_group_in_its_phase_gets_the_nodes_cores():
     assert start_ray(config)
     try:
         for count in (1, 2):
-            group = WorkerGroup(Threads, count, f"threads{count}", cpus=1, gpus=1, arguments=lambda i: {})
+            group = WorkerGroup(
+                Threads,
+                count,
+                f"threads{count}",
+                cpus=1,
+                gpus=1,
+                arguments=lambda i: {},
+                env=lambda i: {"INDEX": str(i)},
+            )
             expected = max(1, cores // count)
             assert group.threads == [expected] * count
             counts = group.gather([a.count.remote() for a in group.actors])
-            assert counts == [(expected, str(expected), "false")] * count  # the run's worker env is kept
+            # the run's worker env is kept, and each actor gets its own `env(i)`
+            assert counts == [(expected, str(expected), "false", str(i)) for i in range(count)]
             group.kill()
     finally:
         ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def ray_head(temp: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`ray start --head` (2 CPUs, 3 logical GPUs) with its files in `temp`, so that only a process whose RAY_TMPDIR
+    is `temp` finds it; killed on exit by its process group, which holds every process it started."""
+    ports = ("port", "dashboard-port", "dashboard-agent-listen-port")
+    args = ["--head", "--block", "--num-cpus=2", "--num-gpus=3", "--include-dashboard=false", "--disable-usage-stats"]
+    args += [f"--object-store-memory={100 * 2**20}", *(f"--{port}={free_port()}" for port in ports)]
+    head = subprocess.Popen(
+        [RAY, "start", *args],
+        env={**os.environ, "RAY_TMPDIR": temp},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        address_file = Path(temp, "ray", "ray_current_cluster")  # written once the head is up
+        deadline = time.monotonic() + 90
+        while not address_file.exists():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield address_file.read_text().strip(), head
+    finally:
+        with suppress(ProcessLookupError):  # all gone already
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def test_a_ray_cluster_running_on_this_node_is_joined_and_left_running(tmp_path, monkeypatch, capsys):
+    """As a bare `ray.init()` (verl, OpenRLHF) does: without ray.address the run joins the cluster `ray start` left
+    on this node, checks it has what the run asks for, and its shutdown only disconnects; ray.address=local starts
+    a private Ray beside it; a crashed cluster's address file is ignored."""
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fits = RunConfig(cluster=ClusterConfig(cpus_per_worker=0.5))  # 2 train workers + 1 engine: 3 GPUs, 1.5 CPUs
+    try:
+        with ray_head(temp, tmp_path / "head.log") as (address, head):
+            assert start_ray(fits)
+            try:
+                assert gcs_address() == address
+                assert (ray.cluster_resources()["CPU"], ray.cluster_resources()["GPU"]) == (2, 3)  # the cluster's
+                group = WorkerGroup(Probe, 1, "train", cpus=0.5, gpus=1, arguments=lambda i: {"group": "t", "index": i})
+                [(_, _, gpu_ids, visible)] = group.gather([a.where.remote() for a in group.actors])
+                assert len(gpu_ids) == 1 and visible == str(gpu_ids[0])
+                group.kill()
+            finally:
+                ray.shutdown()  # what the controller does with start_ray's True
+            out = capsys.readouterr().out
+            assert f"joined the Ray cluster running on this node at {address}" in out and "ray.address=local" in out
+            assert head.poll() is None  # the cluster runs on
+
+            too_big = RunConfig(cluster=ClusterConfig(train_workers=4, cpus_per_worker=0.5))
+            with pytest.raises(ValueError, match=r"has 3 GPUs and 2 CPUs; this run needs 5 GPUs .* ray.address=local"):
+                start_ray(too_big)
+            assert not ray.is_initialized() and head.poll() is None
+
+            assert start_ray(RunConfig(ray=RayConfig(address="local")))
+            try:
+                assert gcs_address() != address
+            finally:
+                ray.shutdown()
+            assert "started a private Ray for this run (ray.address=local)" in capsys.readouterr().out
+            assert head.poll() is None
+
+        assert Path(temp, "ray", "ray_current_cluster").read_text().strip() == address  # left by the killed head
+        assert start_ray(fits)
+        try:
+            assert gcs_address() != address  # a private Ray
+        finally:
+            ray.shutdown()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_cuda_torch_that_cannot_use_the_nodes_gpus_stops_the_run_naming_the_driver_and_the_fix():
+    """Without the check a CUDA torch that cannot initialise CUDA runs everything on the CPU, as on a machine
+    without GPUs: the docker image's CUDA 13 on a host driver older than 580 does that."""
+    old_driver = cuda_problem(CudaProbe(torch_cuda="13.0", available=False, gpus_present=True, driver="535.104.05"))
+    assert "built for CUDA 13.0, which needs NVIDIA driver ≥ 580, and the host has driver 535.104.05" in old_driver
+    assert "Upgrade the host's driver to ≥ 580" in old_driver and "cluster.device=cpu" in old_driver
+
+    warning = "CUDA initialization: The NVIDIA driver on your system is too old (found version 12020). Please update"
+    no_version = CudaProbe("13.0", available=False, gpus_present=True, warning=warning)  # no /proc, no nvidia-smi
+    assert "needs NVIDIA driver ≥ 580, and the host has a driver for CUDA 12.2" in cuda_problem(no_version)
+
+    other = cuda_problem(CudaProbe("13.0", available=False, gpus_present=True, driver="580.65.06", warning="no GPU"))
+    assert "(driver 580.65.06) but torch (CUDA 13.0) cannot use them: no GPU" in other and "--gpus all" in other
+    cuda_12 = cuda_problem(CudaProbe("12.8", available=False, gpus_present=True, driver="550.54.15"))
+    assert "Upgrade" not in other and "Upgrade" not in cuda_12  # new enough: the other causes
+    assert cuda_problem(CudaProbe("13.0", available=True, gpus_present=True)) is None
+    assert cuda_problem(CudaProbe(None, available=False, gpus_present=True)) is None  # a CPU build of torch
+    assert cuda_problem(CudaProbe("13.0", available=False, gpus_present=False)) is None  # no NVIDIA GPU: a CPU run
+    assert cuda_problem(probe_cuda()) is None  # this machine
+
+
+def test_each_vllm_engine_compiles_into_its_own_directory_of_the_users_cache():
+    """Four engines compiling into one ~/.cache/vllm at once corrupted it; each gets a directory that persists."""
+    home = os.path.expanduser("~")
+    assert engine_cache_root(2, {}) == f"{home}/.cache/vllm/engine_2"
+    assert engine_cache_root(0, {"XDG_CACHE_HOME": "/c"}) == "/c/vllm/engine_0"
+    assert engine_cache_root(1, {"VLLM_CACHE_ROOT": "~/vc", "XDG_CACHE_HOME": "/c"}) == f"{home}/vc/engine_1"

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hydra import compose, initialize_config_module
 
@@ -237,3 +238,78 @@ def test_a_step_with_every_advantage_zero_trains_and_sends_nothing(tmp_path, qui
     for name in grid:
         assert torch.equal(before[0][name], after[0][name]), name
         assert torch.equal(master_before[name], master_after[name]), name
+
+
+def test_a_gemma3_checkpoint_trains_its_nested_decoder_and_merges_in_place(tmp_path):
+    """The official Gemma 3 checkpoints are `Gemma3ForConditionalGeneration`, their decoder under
+    `model.language_model`: the train group shards and trains those layers, the engine merges the payloads in
+    place, and the vision tower (with `q_proj`s of its own) is neither trained nor sent."""
+    from logra_rl.data import quickstart
+    from logra_rl.models.tiny import char_tokenizer, tiny_gemma3_multimodal
+
+    tokenizer = char_tokenizer(quickstart.ALPHABET)
+    model = tiny_gemma3_multimodal(tokenizer)
+    model.save_pretrained(tmp_path / "gemma3")
+    tokenizer.save_pretrained(tmp_path / "gemma3")
+    original = model.state_dict()
+    overrides = ["model=hf", f"model.path={tmp_path / 'gemma3'}", "trainer.prompts_per_step=8"]
+    overrides += ["logger.progress=false", "data.reward=tests.orchestration.fixed_reward:response_length"]
+    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path / "run", {})
+    controller.setup()
+    try:
+        history = [controller.step(step) for step in range(2)]
+        master = controller.train.full_state()
+        grid = target_grid(controller)
+        rollout = controller.rollout.weights_at(grid)[0]
+    finally:
+        controller.teardown()
+    assert len(controller.targets) == 14 and all(
+        n.startswith("model.language_model.layers.") for n in controller.targets
+    )
+    for metrics in history:
+        assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
+        assert metrics["sync/full_resync_bytes"] == 0 and metrics["sync/weight_max_abs_diff"] == 0.0
+    assert history[-1]["policy/version"] == 2
+    moved = [k for k in master if not torch.equal(master[k], original[k])]
+    assert moved and all(k.startswith("model.language_model.layers.") for k in moved)
+    for name, (rows, cols) in grid.items():
+        expected = split_master(master[f"{name}.weight"][rows, cols])[0].float()
+        assert torch.equal(rollout[name], expected), name
+
+
+def test_a_logra_run_whose_engines_cannot_merge_in_place_stops_unless_full_resyncs_are_allowed(capsys):
+    """Every update of such a run would be a full fp32 resync (minutes a step at 7B): it must not start
+    silently, and the error names the engine's reason and the way out."""
+    from logra_rl.orchestration.weight_sync import InPlaceMergeRefused, check_in_place
+    from logra_rl.rollout import MergeMode
+
+    refused = [MergeMode("in_place"), MergeMode("resync", "Phi3ForCausalLM layer 0 has no ['mlp.gate_up_proj']")]
+    with pytest.raises(InPlaceMergeRefused, match=r"Phi3ForCausalLM.*rollout.allow_resync_fallback=true"):
+        check_in_place(refused, allow_resync_fallback=False)
+    check_in_place(refused, allow_resync_fallback=True)
+    assert "every update is a full resync (rollout.allow_resync_fallback)" in capsys.readouterr().out
+    check_in_place([MergeMode("in_place"), MergeMode("shadow")], allow_resync_fallback=False)
+    assert "merge into the engines: in_place, shadow" in capsys.readouterr().out
+
+
+def test_engine_weights_that_drift_from_the_master_are_resynced_the_same_step(tmp_path, quickstart_model, capsys):
+    """No periodic resync by default: the drift probe is the check. Engines whose weights differ from
+    bf16(master) where the tail residual makes merges exact are resynced at once, and the run says so."""
+    import ray
+
+    cfg = run_config(["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8"])
+    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
+    controller.setup()
+    try:
+        state = controller.train.full_state()
+        name = next(iter(controller.targets))
+        state[f"{name}.weight"] = state[f"{name}.weight"] + 0.05  # an engine that missed an update, say
+        controller.rollout.load_weights(ray.put(state), controller.policy_version, 0, 1)
+        quiet = controller.weight_sync.sync(NoChange("nothing to send"), controller.policy_version, step=0)
+        after = controller.weight_sync.drift(step=1)
+    finally:
+        controller.teardown()
+    assert controller.config.rollout.resync_every == 0
+    assert quiet["sync/weight_max_abs_diff"] > 0.01 and quiet["sync/full_resync_bytes"] > 0
+    assert after == 0.0
+    assert "differ from bf16(master)" in capsys.readouterr().out

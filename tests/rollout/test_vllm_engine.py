@@ -28,7 +28,7 @@ from logra_rl.train.api import LowRankPayloads  # noqa: E402
 from tests.models.test_smollm2 import REPO, SMALL_RUN, SPREAD_REWARD  # noqa: E402
 from tests.orchestration.test_controller import next_batch, run_config  # noqa: E402
 from tests.rollout.test_vllm_layers import vllm_layer  # noqa: E402
-from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, PREFIX, emulate_local, hf_layer, payload_for, updated  # noqa: E402
+from tests.rollout.test_vllm_layout import GEOMETRIES, LEAVES, emulate_local, hf_layer, payload_for, updated  # noqa: E402
 
 
 def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_path, quickstart_model):
@@ -114,12 +114,26 @@ class _Layer(torch.nn.Module):
         self.mlp.down_proj = layers["mlp.down_proj.weight"]
 
 
+class _MultimodalModel(torch.nn.Module):
+    """vLLM's shape of Gemma 3: the text model under `language_model`, reached through `get_language_model`."""
+
+    def __init__(self, language_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.language_model = language_model
+
+    def get_language_model(self) -> torch.nn.Module:
+        return self.language_model
+
+
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_in_place_targets_on_vllm_layers_merge_like_resharding(tp, monkeypatch):
-    """The GPU mode's targets, built from real vLLM layers (loader dry runs included), merge a payload exactly."""
+def test_in_place_targets_on_vllm_layers_merge_like_resharding(tp, nested, monkeypatch):
+    """The GPU mode's targets, built from real vLLM layers (loader dry runs included), merge a payload exactly;
+    a multimodal model's nested decoder (Gemma 3: `model.language_model.layers` in HF) too."""
     sizes = GEOMETRIES["qwen2-like"]
     hf = hf_layer(sizes)
     payload = payload_for(hf)
+    hf_layers = "model.language_model.layers" if nested else "model.layers"
     for rank in range(tp):
         layers = vllm_layer(sizes, tp, rank, monkeypatch)
         local = emulate_local(hf, sizes, tp, rank)
@@ -128,8 +142,12 @@ def test_in_place_targets_on_vllm_layers_merge_like_resharding(tp, monkeypatch):
         model = torch.nn.Module()
         model.model = torch.nn.Module()
         model.model.layers = torch.nn.ModuleList([_Layer(layers)])
-        targets = in_place_targets(model, "float32", tuple(leaf.rsplit(".", 1)[1] for leaf in LEAVES.values()))
-        assert sorted(targets) == sorted(f"{PREFIX}.{leaf}" for leaf in LEAVES.values())
+        if nested:
+            model = _MultimodalModel(model)
+        leaves = tuple(leaf.rsplit(".", 1)[1] for leaf in LEAVES.values())
+        targets = in_place_targets(model, "float32", leaves, hf_layers)
+        assert sorted(targets) == sorted(f"{hf_layers}.0.{leaf}" for leaf in LEAVES.values())
+        targets = {name.replace(hf_layers, "model.layers"): target for name, target in targets.items()}
         PayloadMerger(targets).apply(payload)
         for key, expected in emulate_local(updated(hf, payload), sizes, tp, rank).items():
             torch.testing.assert_close(layers[key].weight.data, expected, rtol=0, atol=1e-6)

@@ -75,4 +75,5 @@ def test_an_unknown_layer_layout_fails_closed_to_full_resyncs():
     assert state["mode"] == "resync" and "self_attn.qkv_proj" in state["refusal"]
     assert not worker.logra_apply(b"any payload")["applied"]
     empty = torch.nn.Module()
-    assert "no model.layers" in _FakeWorker(empty, config).logra_init(["q_proj"], "float32", 256)["refusal"]
+    refusal = _FakeWorker(empty, config).logra_init(["q_proj"], "float32", 256)["refusal"]
+    assert "no decoder layers (model.layers)" in refusal
