@@ -122,12 +122,12 @@ class WeightSync:
         resync_bytes = self.full_resync(version) if needs_resync else 0.0
         drift = self.drift(step)
         if drift > 0 and self.exact:
-            print(
-                f"[logra-train] step {step}: the engines' weights differ from bf16(master) by up to {drift:.3g} "
-                "where exact merges leave none: full resync",
-                flush=True,
-            )
-            resync_bytes += self.full_resync(version)
+            said = f"[logra-train] step {step}: the engines' weights differ from bf16(master) by up to {drift:.3g}"
+            if needs_resync:  # a full resync cannot repair what it just wrote: say so instead of repeating it
+                print(f"{said} right after a full resync: the engines do not load exactly; please report", flush=True)
+            else:
+                print(f"{said} where exact merges leave none: full resync", flush=True)
+                resync_bytes += self.full_resync(version)
         return {
             "sync/payload_bytes": payload_bytes,
             "sync/refused": float(refused),
