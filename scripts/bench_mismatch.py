@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -126,12 +125,6 @@ def engine_completions(engine: str, model_path: str, prompts: list[list[int]], c
 # ---- trainers ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def batch_of(completions: list[dict], pad_id: int):
     import torch
 
@@ -149,7 +142,7 @@ def build_worker(model_path: str, settings: dict):
     head32 = settings.pop("head32", False)
     config = preset_config(["cluster.device=cpu", *(f"model.{key}={value}" for key, value in settings.items())])
     worker = TrainWorker(config, model_path, rank=0, world_size=1)
-    worker.setup("127.0.0.1", free_port())
+    worker.setup(*worker.address("127.0.0.1"))
     if head32:
         import torch.nn.functional as F
 

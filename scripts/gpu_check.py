@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -300,12 +299,6 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float
     return result, time.perf_counter() - start
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def qwen2_config(shape: dict, layers: int) -> Qwen2Config:
     return Qwen2Config(**{**shape, "num_hidden_layers": layers}, tie_word_embeddings=False, attn_implementation="sdpa")
 
@@ -518,7 +511,7 @@ def worker_setup(report: Report, ctx: Context) -> None:
     ctx.spec = engine_spec(ctx.config)
     worker = TrainWorker(ctx.config, str(directory), rank=0, world_size=1)
     ctx.worker = worker
-    _, seconds = timed(lambda: worker.setup("127.0.0.1", free_port()), device)
+    _, seconds = timed(lambda: worker.setup(*worker.address("127.0.0.1")), device)
     report.value("setup_s", seconds, "s")
     report.value("fsdp_backend", dist.get_backend())
     # Every bucket of a full resync (the engines' view of the master) equals the checkpoint, bit for bit.

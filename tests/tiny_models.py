@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 101
 
@@ -44,3 +50,40 @@ def token_sum_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum"
     )
+
+
+def tiny_gemma3_multimodal(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, seed: int = 0):
+    """A randomly initialised float32 `Gemma3ForConditionalGeneration` sized for `tokenizer`: the official
+    Gemma 3 checkpoints' class, its text decoder under `model.language_model` beside a (one-layer) vision tower."""
+    specials = len(tokenizer)  # the image tokens follow the text vocabulary
+    text = dict(
+        vocab_size=specials + 3,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+        boi_token_index=specials,
+        eoi_token_index=specials + 1,
+        image_token_index=specials + 2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).float()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

@@ -1,4 +1,4 @@
-"""Tiny models (a Qwen3, a multimodal Gemma 3) and a character-level tokenizer with a chat template, built offline.
+"""A tiny Qwen3 and a character-level tokenizer with a chat template, built offline.
 
 The CPU quickstart and the tests need a real HF model directory (loadable by AutoModel /
 AutoTokenizer and by vLLM CPU) without downloading anything. Qwen3, not Qwen2: transformers
@@ -98,42 +98,3 @@ def build_quickstart_model(
     model.eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def tiny_gemma3_multimodal(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, seed: int = 0):
-    """A randomly initialised float32 `Gemma3ForConditionalGeneration` sized for `tokenizer`: the official
-    Gemma 3 checkpoints' class, its text decoder under `model.language_model` beside a (one-layer) vision tower."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    specials = len(tokenizer)  # the image tokens follow the text vocabulary
-    text = dict(
-        vocab_size=specials + 3,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"],
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
-    config = Gemma3Config(
-        text_config=text,
-        vision_config={**vision, "patch_size": 14},
-        mm_tokens_per_image=4,
-        boi_token_index=specials,
-        eoi_token_index=specials + 1,
-        image_token_index=specials + 2,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).float()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model

@@ -19,7 +19,7 @@ PEFT_PREFIX = "base_model.model."
 def add_lora(model: nn.Module, config: OptimizerConfig) -> PeftModel:
     """Freeze `model` and wrap its target linears with rank-`lora_rank` adapters (fp32, no dropout).
 
-    The adapters go on the text decoder's targets only, named in full: peft's own matching by the last name
+    The adapters go on the modules `find_targets` picks, named in full: peft's own matching by the last name
     component would also wrap a multimodal model's vision tower."""
     lora = LoraConfig(
         r=config.lora_rank,

@@ -83,13 +83,14 @@ class TrainWorker:
         self.rule_class = update_rule_class(config)
         self.store: dist.TCPStore | None = None  # rank 0's rendezvous, bound by `address`
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 serves the process group's rendezvous (called on rank 0 before `setup`). Its TCPStore binds
-        a free port here and holds it until `setup`: a port found free and released would be free for any process
-        to take before the group binds it."""
-        import ray  # the worker runs without Ray too (scripts/gpu_check.py on a bare GPU machine)
+    def address(self, host: str | None = None) -> tuple[str, int]:
+        """Where rank 0 serves the process group's rendezvous (called on rank 0 before `setup`), on `host` (default:
+        this Ray node's address). Its TCPStore binds a free port here and holds it until `setup`: a port found free
+        and released would be free for any process to take before the group binds it."""
+        if host is None:
+            import ray  # the worker runs without Ray too (scripts/gpu_check.py on a bare GPU machine passes a host)
 
-        host = ray.util.get_node_ip_address()
+            host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(
             host, 0, self.world_size, is_master=True, timeout=PROCESS_GROUP_TIMEOUT, wait_for_workers=False
         )

@@ -245,7 +245,8 @@ def test_a_gemma3_checkpoint_trains_its_nested_decoder_and_merges_in_place(tmp_p
     `model.language_model`: the train group shards and trains those layers, the engine merges the payloads in
     place, and the vision tower (with `q_proj`s of its own) is neither trained nor sent."""
     from logra_rl.data import quickstart
-    from logra_rl.models.tiny import char_tokenizer, tiny_gemma3_multimodal
+    from logra_rl.models.tiny import char_tokenizer
+    from tests.tiny_models import tiny_gemma3_multimodal
 
     tokenizer = char_tokenizer(quickstart.ALPHABET)
     model = tiny_gemma3_multimodal(tokenizer)

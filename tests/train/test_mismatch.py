@@ -8,7 +8,6 @@ noise level (a trainer temperature of 0.9 instead of 1 reads a KL of 3e-2 and pe
 """
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
@@ -61,12 +60,6 @@ def test_the_gpu_presets_keep_their_whole_budget_under_the_bf16_mismatch(preset)
     assert halves == pytest.approx([kl.mismatch_budget_floor] * kl.schedule_steps, rel=1e-12)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_worker_and_an_hf_engine_of_the_same_dtype_agree_to_the_dtypes_noise(smollm2_model, dtype):
     """SmolLM2-135M, the smollm2 preset's prompts: the engine samples 4 responses to each of 3 prompts, the worker
@@ -90,7 +83,7 @@ def test_the_worker_and_an_hf_engine_of_the_same_dtype_agree_to_the_dtypes_noise
     batch = pack_batch(completions, torch.zeros(len(completions)), workload.tokenizer.pad_token_id)
     worker = TrainWorker(config, smollm2_model, rank=0, world_size=1)
     try:
-        worker.setup("127.0.0.1", free_port())  # in this process, one rank over gloo, as scripts/gpu_check.py does
+        worker.setup(*worker.address("127.0.0.1"))  # in this process, one rank over gloo, as scripts/gpu_check.py does
         sums = worker._forward_backward(batch, Timer())  # what the run reports and feeds the KL controller
         logprobs = worker.logprobs(batch)
     finally:
