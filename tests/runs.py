@@ -59,7 +59,7 @@ def short_job(model_path: str, checkpoint_every: int) -> list[str]:
         "logra=quickstart",
         "trainer.prompts_per_step=16",
         "trainer.total_steps=8",
-        "trainer.eval_every=4",
+        "eval.every=4",
         f"trainer.checkpoint_every={checkpoint_every}",
         "logger.progress=false",
         "logger.plot=false",

@@ -68,8 +68,18 @@ def test_print_resolved_config(tmp_path, cfg_first):
     assert "rank: 16" in result.stdout and "experiment_name: mine" in result.stdout
 
 
+def test_old_keys_are_rewritten_with_one_line_each(tmp_path):
+    result = logra_train("rollout=vllm", "rollout.residual=float32", "--cfg", "job", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "[logra-train] rollout=vllm is now rollout.backend=vllm" in result.stdout
+    assert "[logra-train] rollout.residual is now sync.residual" in result.stdout
+    printed = yaml.safe_load(result.stdout[result.stdout.index("experiment_name:") :])
+    assert printed["rollout"]["backend"] == "vllm" and printed["sync"]["residual"] == "float32"
+    assert printed["eval"]["top_p"] == 1.0 and printed["model"]["target_modules"][0] == "q_proj"
+
+
 def test_a_sweep_writes_one_run_directory_per_job(tmp_path, quickstart_model):
-    sweep = ["-m", "trainer.seed=1,2", "trainer.run_name=sweep", "trainer.total_steps=1", "trainer.eval_every=0"]
+    sweep = ["-m", "trainer.seed=1,2", "trainer.run_name=sweep", "trainer.total_steps=1", "eval.every=0"]
     common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.prompts_per_step=8"]
     common += ["logger.progress=false"]
     result = logra_train(*sweep, *common, "logger.plot=false", cwd=tmp_path)
@@ -88,7 +98,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, quickstart_model):
         "logra=quickstart",
         "trainer.prompts_per_step=16",
         "trainer.checkpoint_every=3",
-        "trainer.eval_every=3",
+        "eval.every=3",
         "logger.progress=false",
         "logger.plot=false",
     ]
@@ -147,7 +157,7 @@ def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, 
     common += ["logger.progress=false"]
     common += ["logger.plot=false", "optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
     common += ["optimizer.lora_alpha=16"]
-    steps = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.run_name=lora"]
+    steps = ["trainer.total_steps=2", "eval.every=2", "trainer.checkpoint_every=2", "trainer.run_name=lora"]
     result = logra_train(*common, *steps, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     trained = metrics(tmp_path / "outputs/quickstart/lora")[-1]
@@ -175,7 +185,7 @@ def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_t
         "logra=quickstart",
         "trainer.prompts_per_step=16",
         "trainer.checkpoint_every=0",  # the signal's checkpoint is the only one
-        "trainer.eval_every=3",
+        "eval.every=3",
         "trainer.total_steps=8",
         "logger.progress=false",
         "logger.plot=false",

@@ -1,14 +1,17 @@
 """The Hydra tree and the config dataclasses stay in step; bad values fail with the key's name."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import logra_rl
-from logra_rl.config import RunConfig
+from logra_rl.cli import _check_resume, migrate_arguments
+from logra_rl.config import RunConfig, defaults_mapping, migrate_keys
+from logra_rl.utils.structs import flatten
 
 CONFIGS = Path(logra_rl.__file__).parent / "configs"
 
@@ -18,21 +21,123 @@ def compose_with(overrides):
         return compose("config", overrides=overrides)
 
 
-def field_names(cls):
-    return {f.name for f in dataclasses.fields(cls)}
+def yaml_body(path):
+    """A config file's keys as the root config sees them (its group's package, or the root with _global_)."""
+    text = path.read_text()
+    body = yaml.safe_load(text) or {}
+    defaults = body.pop("defaults", [])
+    if "# @package _global_" not in text:
+        body = {path.parent.name: body}
+    return flatten(body), defaults
 
 
 @pytest.mark.parametrize(
     "path", sorted(p.relative_to(CONFIGS) for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "experiment")
 )
-def test_every_group_option_sets_every_key_of_its_dataclass(path):
-    group, option = path.parent.name, path.stem
-    cfg = compose_with([f"{group}={option}"])
-    node = OmegaConf.to_container(cfg[group])
-    cls = {f.name: f for f in dataclasses.fields(RunConfig)}[group].default_factory
-    assert set(node) == field_names(cls), f"{path}: keys differ from {cls.__name__}'s fields"
-    if group == "logra":
-        assert set(node["kl"]) == field_names(type(cls().kl))
+def test_no_group_option_restates_a_default(path):
+    """Group options hold only what differs from the dataclasses' defaults, and only keys that exist."""
+    body, defaults = yaml_body(CONFIGS / path)
+    known = flatten(defaults_mapping())
+    assert not defaults
+    assert {k: v for k, v in body.items() if known.get(k, v) == v and k in known} == {}
+    assert all(k in known or k.startswith("data.reasoning_gym.") for k in body), sorted(set(body) - set(known))
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
+def test_no_experiment_restates_what_it_overrides(experiment):
+    """An experiment's own keys each change the config its defaults list (parent preset, group options) gives."""
+    body, defaults = yaml_body(CONFIGS / "experiment" / f"{experiment}.yaml")
+    overrides = []
+    for entry in defaults:
+        if isinstance(entry, str):
+            overrides.append(f"+experiment={entry}")
+        else:
+            ((key, option),) = entry.items()
+            overrides.append(f"{key.removeprefix('override /')}={option}")
+    base = flatten(OmegaConf.to_container(compose_with(overrides), resolve=False))
+    assert {k: v for k, v in body.items() if base.get(k) == v} == {}
+
+
+def test_the_composed_config_is_the_whole_config():
+    """`--cfg job` shows every key: the composed root config has exactly the dataclasses' keys."""
+    cfg = OmegaConf.to_container(compose_with([]), resolve=False)
+    assert set(flatten(cfg)) == set(flatten(defaults_mapping()))
+    assert RunConfig.from_mapping(compose_with([])).logra.seed == 1  # the value the quickstart has always used
+
+
+def test_a_misspelt_key_fails():
+    with pytest.raises(ConfigCompositionException, match=r"trainer\.total_stepz"):
+        compose_with(["trainer.total_stepz=3"])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['sync.bucket'\]"):
+        RunConfig.from_mapping({"sync": {"bucket": 64}})
+
+
+def test_run_config_gives_logra_the_models_targets_and_the_sync_chunking():
+    config = RunConfig.from_mapping(compose_with(["model.target_modules=[q_proj,v_proj]", "sync.merge_chunk_rows=64"]))
+    assert config.logra.target_modules == config.model.target_modules == ("q_proj", "v_proj")
+    assert config.logra.merge_chunk_rows == 64
+
+
+OLD_SAVED_CONFIG = {
+    "experiment_name": "old",
+    "rollout": {"eval_top_p": 0.7, "eval_samples": 8, "residual": "float32", "resync_bucket_mb": 64},
+    "trainer": {"eval_every": 7},
+    "logra": {"target_modules": ["q_proj", "v_proj"], "merge_chunk_rows": 256},
+    "optimizer": {"lora_targets": ["q_proj", "v_proj"]},
+}
+
+
+def test_a_config_saved_under_the_old_key_names_reads_back(tmp_path):
+    """A run's config.yaml from before the keys moved (what resume, logra-eval's export and logra-plot read)."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(OLD_SAVED_CONFIG))
+    migrated, notes = migrate_keys(OmegaConf.to_container(OmegaConf.load(saved)))
+    assert "rollout.eval_top_p is now eval.top_p" in notes and len(notes) == 8
+    assert migrated["rollout"] == {} and migrated["trainer"] == {}
+    config = RunConfig.from_mapping(OmegaConf.load(saved))
+    assert (config.eval.top_p, config.eval.samples, config.eval.every) == (0.7, 8, 7)
+    assert (config.sync.residual, config.sync.bucket_mb, config.sync.merge_chunk_rows) == ("float32", 64, 256)
+    assert config.model.target_modules == config.logra.target_modules == ("q_proj", "v_proj")
+
+
+def test_a_run_saved_under_the_old_key_names_resumes(tmp_path):
+    """Resume compares the saved config.yaml, read in the new names, with the current one: no false conflict."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_2")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(OLD_SAVED_CONFIG))
+    current, _ = migrate_keys(OLD_SAVED_CONFIG)
+    _check_resume(tmp_path, current, "auto")  # exits on a conflict
+    current["sync"]["residual"] = "tail"
+    with pytest.raises(SystemExit, match=r"sync\.residual: 'float32' → 'tail'"):
+        _check_resume(tmp_path, current, "auto")
+
+
+@pytest.mark.parametrize(("rule", "read"), [("logra", ["q_proj"]), ("dense", ["q_proj"]), ("lora", ["v_proj"])])
+def test_a_saved_run_reads_the_target_list_its_update_rule_read(rule, read):
+    """Every run saved before the rename held both lists; where they differ, the one its rule trained wins."""
+    values = {"logra": {"target_modules": ["q_proj"]}, "optimizer": {"name": rule, "lora_targets": ["v_proj"]}}
+    migrated, notes = migrate_keys(values)
+    assert migrated["model"]["target_modules"] == read
+    assert "lora_targets" not in migrated["optimizer"] and "target_modules" not in migrated["logra"]
+    assert any("differ" in note for note in notes)
+
+
+def test_a_saved_run_named_by_the_old_experiment_key_loads():
+    config = RunConfig.from_mapping({"experiment": "old_run"})
+    assert config.experiment_name == "old_run"
+
+
+def test_old_keys_on_the_command_line_are_rewritten():
+    arguments = ["rollout=vllm", "trainer.eval_every=3", "++rollout.eval_top_p=0.5", "logra.rank=8", "--cfg", "job"]
+    migrated, notes = migrate_arguments(arguments)
+    assert migrated == ["rollout.backend=vllm", "eval.every=3", "++eval.top_p=0.5", "logra.rank=8", "--cfg", "job"]
+    assert notes == [
+        "rollout=vllm is now rollout.backend=vllm",
+        "trainer.eval_every is now eval.every",
+        "rollout.eval_top_p is now eval.top_p",
+    ]
+    config = RunConfig.from_mapping(compose_with(migrated[:4]))
+    assert (config.rollout.backend, config.eval.every, config.eval.top_p) == ("vllm", 3, 0.5)
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
@@ -40,9 +145,9 @@ def test_every_experiment_composes_and_validates(experiment):
     """Every preset validates once its documented overrides (model and data paths) are given."""
     overrides = [f"+experiment={experiment}"]
     cfg = compose_with(overrides)
-    if OmegaConf.is_missing(cfg.model, "path"):
+    if cfg.model.path is None and cfg.model.builder is None:
         overrides.append("model.path=/models/demo")
-    if OmegaConf.is_missing(cfg.data, "train_files"):
+    if cfg.data.task == "files" and not cfg.data.train_files:
         overrides.append("data.train_files=[/data/train.parquet]")
     config = RunConfig.from_mapping(compose_with(overrides))
     assert config.experiment_name == experiment

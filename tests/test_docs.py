@@ -10,7 +10,8 @@ SOURCES = [
     *ROOT.glob("docs/*.md"),
     ROOT / "README.md",
     *ROOT.glob("logra_rl/**/*.py"),
-    *ROOT.glob("scripts/*.py"),
+    *ROOT.glob("scripts/**/*.py"),
+    ROOT / "scripts/README.md",
     *ROOT.glob("tests/**/*.py"),
     *ROOT.glob("configs/**/*.yaml"),
     ROOT / "docker/Dockerfile",
@@ -32,7 +33,7 @@ def test_every_repository_path_named_in_docs_code_and_configs_exists():
             path = found.group(1)
             if path in OTHER_PROJECTS or "*" in path:
                 continue
-            if not (ROOT / path).exists() and not list(ROOT.glob(f"{path}*")):  # a stem: `scripts/bench_`
+            if not (ROOT / path).exists() and not list(ROOT.glob(f"{path}*")):  # a stem: `scripts/bench/bench_`
                 missing.setdefault(path, source.relative_to(ROOT).as_posix())
     assert not missing, missing
 

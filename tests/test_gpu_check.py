@@ -1,7 +1,7 @@
-"""scripts/gpu_check.py in CPU mode, as the lent GPU machine would run it: without Hydra, OmegaConf, Ray,
-vLLM or the data and grading packages (hidden from the interpreter here), every section run and every check held."""
+"""The GPU check in CPU mode, as the lent GPU machine would run it (scripts/gpu_check.py, the launcher of
+`logra-gpu-check`): without Hydra, OmegaConf, Ray, vLLM or the data and grading packages (hidden from the
+interpreter here), every section run and every check held."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from logra_rl import gpu_check
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -47,14 +49,6 @@ CPU_CHECKS = {
 }
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cpu_mode_runs_every_section_without_the_cluster_packages(tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -66,7 +60,6 @@ def test_cpu_mode_runs_every_section_without_the_cluster_packages(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert figures["failed_checks"] == [] and "FAILED" not in result.stdout
-    gpu_check = load_script()
     assert list(figures["sections"]) == list(gpu_check.SECTIONS)
     assert all(s["error"] is None and s["seconds"] >= 0 for s in figures["sections"].values())
     assert set(figures["checks"]) == CPU_CHECKS and all(c["ok"] for c in figures["checks"].values())
@@ -87,7 +80,6 @@ def test_cpu_mode_runs_every_section_without_the_cluster_packages(tmp_path):
 
 
 def test_a_failed_check_or_section_is_one_line_and_the_other_sections_still_run(tmp_path):
-    gpu_check = load_script()
     report = gpu_check.Report(tmp_path / "gpu_check.json", {"device": "cpu", "mode": "small"})
     ctx = gpu_check.Context(gpu_check.Plan.build(small=True), torch.device("cpu"), tmp_path)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from logra_rl.utils.structs import check, check_positive_int, from_mapping
+from logra_rl.utils.structs import check, check_positive_int, check_required, from_mapping
 
 REASONING_GYM_KEYS = ("datasets", "config", "answer_format")
 
@@ -63,6 +63,7 @@ class DataConfig:
             files = [value] if isinstance(value, str) else list(value)
             check(all(isinstance(f, str) and f for f in files), f"data.{name}", value, "give a list of file paths")
             object.__setattr__(self, name, files)
+        check_required(self.task != "files" or bool(self.train_files), "data.train_files", "data.task is files")
         for name in ("task", "prompt_key", "answer_key"):
             value = getattr(self, name)
             check(isinstance(value, str) and bool(value), f"data.{name}", value, "give a non-empty string")

@@ -1,6 +1,6 @@
 """Task `files`: prompts and answers from local jsonl/json/parquet files (verl's schema or a plain one).
 
-Files written by scripts/prepare_data.py carry what their grader needs in `extra_info`: `reward` (a registered
+Files written by scripts/tools/prepare_data.py carry what their grader needs in `extra_info`: `reward` (a registered
 reward name, used unless data.reward is set) and `metadata` (a JSON object, e.g. a reasoning-gym entry), so a
 prepared file of any task grades as that task did.
 """
@@ -92,7 +92,7 @@ def _read_examples(path: str, config: DataConfig) -> list[Example]:
 
 
 def extra_metadata(record: dict[str, Any], path: str, index: int) -> dict[str, Any]:
-    """The grader metadata scripts/prepare_data.py stores as a JSON object string at `extra_info.metadata`."""
+    """The grader metadata scripts/tools/prepare_data.py stores as a JSON object string at `extra_info.metadata`."""
     extra = record.get("extra_info")
     text = extra.get("metadata") if isinstance(extra, dict) else None
     if text is None:

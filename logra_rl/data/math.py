@@ -11,7 +11,7 @@ Each entry of data.train_files / data.val_files is a hub dataset id (`BytedTsing
 Prompts ask for step-by-step reasoning and the answer in `\boxed{}` (PROMPT_TEMPLATE). A bare problem (MATH, or a
 string prompt) is put into the template; DAPO-Math's own instruction (final line "Answer: ...") is swapped for the
 template so training and evaluation ask for one answer format; other chat prompts (e.g. files written by
-scripts/prepare_data.py) are kept as they are. DAPO-Math-17k stores each of its ~17.9k problems 100 times: a
+scripts/tools/prepare_data.py) are kept as they are. DAPO-Math-17k stores each of its ~17.9k problems 100 times: a
 repeated (problem, answer) pair is kept once. Metadata: `source` (for per-source eval breakdowns) = `data_source`,
 plus `subject` and `level` when the record has them.
 """
@@ -101,7 +101,7 @@ def _open(source: str, split: str) -> tuple[datasets.Dataset, str]:
             raise ValueError(
                 f"data source {source!r} is not a local path and could not be loaded from the Hugging Face hub "
                 f"({type(error).__name__}: {error}); check the id and the network, or give a local copy "
-                "(scripts/prepare_data.py writes one)"
+                "(scripts/tools/prepare_data.py writes one)"
             ) from error
     else:
         raise FileNotFoundError(

@@ -23,10 +23,8 @@ if TYPE_CHECKING:
 
 
 def eval_sampling(config: RunConfig) -> SamplingParams:
-    rollout = config.rollout
-    return SamplingParams(
-        rollout.eval_temperature, rollout.eval_top_p, config.data.max_response_length, n=rollout.eval_samples
-    )
+    eval_ = config.eval
+    return SamplingParams(eval_.temperature, eval_.top_p, config.data.max_response_length, n=eval_.samples)
 
 
 class Evaluator:

@@ -16,6 +16,8 @@ from logra_rl.utils.structs import (
     check_bool,
     check_choice,
     check_fraction,
+    check_module_names,
+    check_non_negative_int,
     check_positive,
     check_positive_int,
     from_mapping,
@@ -73,10 +75,11 @@ class KLConfig:
 
 @dataclass(frozen=True)
 class LoGRAConfig:
-    """The method's configuration (the reference port's defaults; `seed` is the run's base seed)."""
+    """The method's configuration (the reference port's defaults; `seed` is the projections' base seed). In a
+    run, `target_modules` and `merge_chunk_rows` come from `model.target_modules` and `sync.merge_chunk_rows`."""
 
     rank: int = 256
-    seed: int = 42
+    seed: int = 1
     distribution: str = "rademacher"
     refresh: bool = True  # draw a new projection after every update
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
@@ -92,26 +95,15 @@ class LoGRAConfig:
         check(isinstance(self.seed, int) and self.seed >= 0, "logra.seed", self.seed, "give a non-negative integer")
         check_choice("logra.distribution", self.distribution, DISTRIBUTIONS)
         check_bool("logra.refresh", self.refresh)
-        targets = self.target_modules
-        check(
-            not isinstance(targets, str) and bool(targets) and all(isinstance(t, str) and t for t in targets),
-            "logra.target_modules",
-            targets,
-            f"give a non-empty list of module leaf names, e.g. {list(DEFAULT_TARGET_MODULES)}",
-        )
-        object.__setattr__(self, "target_modules", tuple(targets))
+        check_module_names("logra.target_modules", self.target_modules)
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
         check(
             isinstance(self.beta2, int | float) and 0 <= self.beta2 < 1, "logra.beta2", self.beta2, "must be in [0, 1)"
         )
         check_positive("logra.epsilon", self.epsilon)
         check_positive("logra.update_ratio", self.update_ratio)
         check_choice("logra.wire_dtype", self.wire_dtype, WIRE_DTYPES)
-        check(
-            isinstance(self.merge_chunk_rows, int) and self.merge_chunk_rows >= 0,
-            "logra.merge_chunk_rows",
-            self.merge_chunk_rows,
-            "must be an integer >= 0 (0: chunks of about 2^24 elements)",
-        )
+        check_non_negative_int("logra.merge_chunk_rows", self.merge_chunk_rows, "0: chunks of about 2^24 elements")
         if isinstance(self.kl, dict):
             object.__setattr__(self, "kl", from_mapping(KLConfig, self.kl, "logra.kl."))
         check(isinstance(self.kl, KLConfig), "logra.kl", self.kl, "must be a KLConfig or a mapping")

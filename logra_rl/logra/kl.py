@@ -303,12 +303,12 @@ def logits_kl(
     return total, torch.tensor(float(count), dtype=torch.float64, device=device)
 
 
-def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor, group: Any = None) -> float:
-    """Σ KL / positions summed over the ranks of `group` (when torch.distributed is initialised): every rank
-    gets the same mean, so every rank takes the same decision on it."""
+def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor) -> float:
+    """Σ KL / positions summed over the ranks (when torch.distributed is initialised): every rank gets the
+    same mean, so every rank takes the same decision on it."""
     if dist.is_available() and dist.is_initialized():
         packed = torch.stack([total, count])
-        dist.all_reduce(packed, group=group)
+        dist.all_reduce(packed)
         total, count = packed
     if count == 0:
         raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
@@ -405,7 +405,7 @@ class KLController:
 
     def __init__(self, config: KLConfig) -> None:
         self.config = config
-        self.mismatch = 0.0  # EMA of max(0, mean(log π_rollout − log π_trainer)) over completed responses
+        self.mismatch = 0.0  # EMA of max(0, mean(log π_rollout − log π_trainer)) over finished responses
 
     def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
         """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.

@@ -80,6 +80,13 @@ def residual_torch_dtype(residual_dtype: str) -> torch.dtype | None:
     return RESIDUAL_DTYPES[residual_dtype]
 
 
+def residual_bytes(residual_dtype: str, weight_dtype: str) -> int:
+    """Bytes per targeted weight of the residual `new_residual` gives a `weight_dtype` copy (fp32 weights need
+    no tail: they are their own master)."""
+    dtype = residual_torch_dtype(residual_dtype)
+    return 0 if dtype is None or (dtype == torch.int16 and weight_dtype == "float32") else dtype.itemsize
+
+
 def new_residual(weight: torch.Tensor, residual_dtype: str) -> torch.Tensor | None:
     """A zero residual for `weight` (W alone is the master until the first merge), or None."""
     dtype = residual_torch_dtype(residual_dtype)
@@ -246,24 +253,6 @@ def _merge_entries(payload: UpdatePayload, targets: Mapping[str, MergeTarget], c
         )
 
 
-def apply_payload(
-    payload: UpdatePayload,
-    weights: Mapping[str, torch.Tensor],
-    version: int,
-    residuals: Mapping[str, torch.Tensor] | None = None,
-    chunk_rows: int = 0,
-) -> int:
-    """Merge `payload` into HF-layout `weights` held at `version`; return the new version.
-
-    Everything is checked before the first write (PayloadRefused leaves the weights untouched).
-    """
-    residuals = residuals or {}
-    targets = {name: MergeTarget(w, residuals.get(name), tuple(w.shape)) for name, w in weights.items()}
-    check_payload(payload, targets, version)
-    _merge_entries(payload, targets, chunk_rows)
-    return payload.new_version
-
-
 class PayloadMerger:
     """A rollout-side copy of the targeted weights: where each update lands, the version, the resync state.
 
@@ -295,8 +284,8 @@ class PayloadMerger:
         self.version = payload.new_version
 
     def resync(self, master: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's HF-named master weights: W ← round(master), R ← master − W (exact for an fp32
-        or tail R)."""
+        """A full resync in one part (`begin_resync`, `load`, `finish_resync`): the GPU check's and the
+        benchmarks' rollout copies, which hold every target in one process."""
         self.begin_resync()
         self.load(master)
         self.finish_resync(version)
@@ -307,7 +296,8 @@ class PayloadMerger:
         self._loaded = set()
 
     def load(self, master: Mapping[str, torch.Tensor]) -> None:
-        """Load the targets present in `master` (one part of a resync); other names are ignored."""
+        """Load the targets present in `master` (one part of a resync; other names are ignored): W ← round(master),
+        R ← master − W (exact for an fp32 or tail R)."""
         with torch.no_grad():
             for name in self.targets.keys() & master.keys():
                 target = self.targets[name]

@@ -69,10 +69,9 @@ def _distributed() -> bool:
 
 
 class LoGRAOptimizer:
-    def __init__(self, model: nn.Module, config: LoGRAConfig, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, model: nn.Module, config: LoGRAConfig):
         self.model = model
         self.config = config
-        self.process_group = process_group
         modules = find_targets(model, config.target_modules)
         check_rank(modules, config.rank)
         for name, module in modules:
@@ -84,7 +83,7 @@ class LoGRAOptimizer:
         self.second_moments = [
             torch.zeros(t.out_features, 1, dtype=torch.float32, device=t.sketch.device) for t in self.targets
         ]
-        self.update_count = 0
+        self.policy_version = 0
         self.kl_controller = KLController(config.kl)
         self._directions: list[torch.Tensor] | None = None
         self._moments_before: list[torch.Tensor] | None = None
@@ -113,7 +112,7 @@ class LoGRAOptimizer:
             raise ValueError(f"num_tokens must be a finite count >= 1, got {num_tokens}")
         reached = torch.tensor(float(sum(t.contributions for t in self.targets)), device=self.targets[0].sketch.device)
         if _distributed():
-            dist.all_reduce(reached, group=self.process_group)  # every rank raises together, none hangs
+            dist.all_reduce(reached)  # every rank raises together, none hangs
         if not reached:
             raise RuntimeError(
                 "no gradient reached the LoGRA sketches: run loss.backward() (with grad enabled) on a loss "
@@ -121,12 +120,12 @@ class LoGRAOptimizer:
             )
         if _distributed():
             for target in self.targets:
-                dist.all_reduce(target.sketch, group=self.process_group)
+                dist.all_reduce(target.sketch)
         for target in self.targets:
             check_finite(target.sketch, target.name)
 
         self._moments_before = [v.clone() for v in self.second_moments]
-        step = self.update_count + 1
+        step = self.policy_version + 1
         directions = [
             row_adam_direction(t.sketch / num_tokens, v, step, self.config.beta2, self.config.epsilon, t.name)
             for t, v in zip(self.targets, self.second_moments, strict=True)
@@ -159,7 +158,7 @@ class LoGRAOptimizer:
             sums[0] += torch.linalg.vector_norm(weight).double() ** 2
             sums[1] += ((rows @ gram) * rows).sum(dtype=torch.float64)
         if _distributed() and any(isinstance(t.module.weight, DTensor) for t in self.targets):
-            dist.all_reduce(sharded, group=self.process_group)
+            dist.all_reduce(sharded)
         weight_sq, update_sq = (sharded + replicated).tolist()
         if not (math.isfinite(weight_sq) and math.isfinite(update_sq)):
             raise FloatingPointError(f"non-finite norms in the update ratio: ‖W‖²={weight_sq}, ‖DA‖²={update_sq}")
@@ -196,8 +195,8 @@ class LoGRAOptimizer:
             )
             entries.append(PayloadEntry(target.name, target.out_features, target.in_features, factor))
         payload = UpdatePayload(
-            base_version=self.update_count,
-            new_version=self.update_count + 1,
+            base_version=self.policy_version,
+            new_version=self.policy_version + 1,
             base_seed=self.config.seed,
             projection_update=self._projection_update(),
             rank=self.config.rank,
@@ -206,7 +205,7 @@ class LoGRAOptimizer:
             fingerprint=projection_fingerprint(self.targets[0].projection),
             entries=tuple(entries),
         )
-        self.update_count += 1
+        self.policy_version += 1
         if self.config.refresh:
             self._draw_projections()
         self._finish()
@@ -231,16 +230,11 @@ class LoGRAOptimizer:
             target.zero_()
 
     def _projection_update(self) -> int:
-        return self.update_count if self.config.refresh else 0
+        return self.policy_version if self.config.refresh else 0
 
     def _draw_projections(self) -> None:
         for target in self.targets:
             target.draw_projection(self._projection_update())
-
-    def state_nbytes(self) -> int:
-        """Bytes LoGRA keeps per rank: sketches, projections and RowAdam row moments (directions are transient)."""
-        tensors = [t.sketch for t in self.targets] + [t.projection for t in self.targets] + self.second_moments
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- KL ---------------------------------------------------------------------------------
 
@@ -261,7 +255,7 @@ class LoGRAOptimizer:
         """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
         sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
-        return self._reduced_mean(sums.total, sums.count)
+        return reduced_mean_kl(sums.total, sums.count)
 
     def realized_kl(
         self,
@@ -297,7 +291,7 @@ class LoGRAOptimizer:
         """
         input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
         sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
-        q = self._reduced_mean(sums.total, sums.count)
+        q = reduced_mean_kl(sums.total, sums.count)
 
         def realized(alpha: float) -> float:
             return self._realized(forward, input_ids, loss_mask, temperature, alpha, sums.base, head)
@@ -332,7 +326,7 @@ class LoGRAOptimizer:
         step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]
         base = base.for_step(alpha) if base is not None else None
         total, count = step_kl(forward, input_ids, loss_mask, step, temperature, 1.0, base, head)
-        return self._reduced_mean(total, count)
+        return reduced_mean_kl(total, count)
 
     def _probe_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if input_ids.shape != loss_mask.shape or input_ids.dim() != 2:
@@ -342,24 +336,21 @@ class LoGRAOptimizer:
             )
         count = torch.tensor(min(self.config.kl.probe_responses, input_ids.shape[0]), device=input_ids.device)
         if _distributed():
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.process_group)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
         rows, length = int(count), self.config.kl.probe_max_tokens
         return input_ids[:rows, :length], loss_mask[:rows, :length]
-
-    def _reduced_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
-        return reduced_mean_kl(total, count, self.process_group)
 
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Row moments, update count, KL controller state and config; projections are redrawn on load."""
+        """Row moments, policy version, KL controller state and config; projections are redrawn on load."""
         if self.prepared:
             raise RuntimeError(
                 "cannot checkpoint while an update is prepared; checkpoint only after commit() or discard()"
             )
         return {
             "config": self.config.to_dict(),
-            "update_count": self.update_count,
+            "policy_version": self.policy_version,
             "kl_controller": self.kl_controller.state_dict(),
             "second_moments": {t.name: v.clone() for t, v in zip(self.targets, self.second_moments, strict=True)},
         }
@@ -385,7 +376,9 @@ class LoGRAOptimizer:
             )
         for target, moment in zip(self.targets, self.second_moments, strict=True):
             moment.copy_(moments[target.name])
-        self.update_count = int(state["update_count"])
+        self.policy_version = int(
+            state.get("policy_version", state.get("update_count"))
+        )  # older checkpoints: update_count
         self.kl_controller.load_state_dict(state["kl_controller"])
         self._draw_projections()
         self.zero_sketches()

@@ -113,9 +113,10 @@ class UpdatePayload:
         return buffer
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, pin_memory: bool = False) -> UpdatePayload:
-        """Parse and verify (one digest pass) a payload; the factors are views of one copy of its bytes, in
-        page-locked memory with `pin_memory` (a CUDA receiver: one asynchronous host-to-device copy each)."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview | np.ndarray, pin_memory: bool = False) -> UpdatePayload:
+        """Parse and verify (one digest pass) a payload, from any buffer (a uint8 array read in place from Ray's
+        object store); the factors are views of one copy of its bytes, in page-locked memory with `pin_memory`
+        (a CUDA receiver: one asynchronous host-to-device copy each)."""
         view = memoryview(data)
         if len(view) < 12 or bytes(view[:8]) != MAGIC:
             raise PayloadFormatError("not a LoGRA payload (bad magic bytes)")

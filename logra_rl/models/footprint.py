@@ -1,4 +1,5 @@
-"""What a model's memory depends on, read from its config alone (no weight is loaded).
+"""What a model's memory depends on, read from its config alone (no weight is loaded), and the `Part`s a
+process holds of it, which each component names for the memory plan (`orchestration.memory_plan`).
 
 Parameter counts come from the model built on the meta device. The activations a decoder layer keeps for
 backward are traced there too: one layer runs on meta tensors under saved-tensor hooks, which see every
@@ -23,6 +24,27 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from logra_rl.logra import find_targets
 
 TRACE_TOKENS = 64  # the trace is linear in the token count once attention is fused
+# When a process holds a part: for the whole run, or in one phase of the synchronous loop
+RESIDENT, LOADING, TRAINING, GENERATING, SYNCING = "resident", "loading", "training", "generating", "syncing"
+PHASES = (LOADING, TRAINING, GENERATING, SYNCING)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes a process holds for one purpose, for the whole run or in one phase."""
+
+    name: str
+    nbytes: float
+    phase: str = RESIDENT
+    on_host: bool = False  # host memory of a process that computes on a GPU
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token lengths the plan sizes buffers for: the longest prompt, and prompt plus the longest response."""
+
+    prompt: int
+    sequence: int
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def start_ray(config: RunConfig) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, private cluster: no token files
     store_mb = config.ray.object_store_mb
     if store_mb is None and not cuda:
-        store_mb = max(MIN_OBJECT_STORE_MB, int(3 * config.rollout.resync_bucket_mb))
+        store_mb = max(MIN_OBJECT_STORE_MB, int(3 * config.sync.bucket_mb))
     ray.init(
         address="local",  # a new Ray even where RAY_ADDRESS or a `ray start` cluster would be joined
         num_cpus=max(os.cpu_count() or 1, cpus),

@@ -33,7 +33,7 @@ from logra_rl.data import PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import converts_exactly, resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import GroupLost, start_ray
-from logra_rl.orchestration.memory_plan import GIB, check_memory, machine_of
+from logra_rl.orchestration.memory_plan import check_memory, machine_of
 from logra_rl.orchestration.preemption import Preemption
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
@@ -45,6 +45,7 @@ from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.train.api import NoChange, StepResult
 from logra_rl.train.batch import pack_batch
 from logra_rl.utils.checkpoint import Checkpoints, first_verified, read_controller_state, verify
+from logra_rl.utils.memory import GIB
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
 from logra_rl.utils.seeding import ROLLOUT_STREAM, stream_seed
@@ -110,7 +111,6 @@ class Controller:
             self.policy_version = self.train.setup()
         with timer("startup_resync"):
             self.weight_sync = WeightSync(config, self.train, self.rollout, self.targets)
-            self.rollout.on_restart = lambda engines: self.weight_sync.full_resync(self.policy_version, engines)
             self.resumed_from = self._resume()
             self.first_state = self.driver_state(self.start_step)  # where a lost group restarts without checkpoints
             engines_exact = self.resumed_from is None and converts_exactly(model_path, config.rollout.dtype)
@@ -165,8 +165,9 @@ class Controller:
                         step += 1
                     except GroupLost as lost:  # a train worker died or hung: rebuild, replay from a checkpoint
                         step = self.recover(lost)
-                if trainer.eval_every and self.start_step < trainer.total_steps:
-                    self.metrics.log(trainer.total_steps, self.evaluator.evaluate(trainer.total_steps))
+                if self.config.eval.every and self.start_step < trainer.total_steps:
+                    final = self.weight_sync.retried(lambda: self.evaluator.evaluate(trainer.total_steps))
+                    self.metrics.log(trainer.total_steps, final)
                 self.finish()
                 return self.metrics.history
             finally:
@@ -180,8 +181,8 @@ class Controller:
         if self.preemption.requested:
             self.stop(before)
         metrics = dict(self.startup) if step == self.start_step else {}
-        if trainer.eval_every and step % trainer.eval_every == 0:
-            metrics.update(self.evaluator.evaluate(step))
+        if self.config.eval.every and step % self.config.eval.every == 0:
+            metrics.update(self.weight_sync.retried(lambda: self.evaluator.evaluate(step)))
             if self.preemption.requested:  # the eval changed nothing: stop before the step
                 self.stop(before)
         try:
@@ -249,7 +250,8 @@ class Controller:
             prompts = self.sampler.next_batch(self.config.trainer.prompts_per_step)  # 1. prompts
             with timer("rollout"):
                 seed = stream_seed(self.config.trainer.seed, step, ROLLOUT_STREAM)
-                completions = self.rollout.generate([p.token_ids for p in prompts], self.sampling(), seed)
+                ids = [p.token_ids for p in prompts]
+                completions = self.weight_sync.retried(lambda: self.rollout.generate(ids, self.sampling(), seed))
             if self.preemption.requested:  # nothing has trained yet: the step can be run again from its start
                 raise StepAbandoned(step)
             with timer("reward"):
@@ -261,7 +263,7 @@ class Controller:
                 if advantages.any():
                     result = self.train.train_step(batch, step)  # 3.–6. backward, prepare, probe, commit
                 else:  # no gradient anywhere: an optimizer step could only replay momentum, so none is taken
-                    skipped = {"actor/skipped": float(self.config.algorithm.epochs)}
+                    skipped = {"train/skipped": float(self.config.algorithm.epochs)}
                     result = StepResult(self.policy_version, skipped, NoChange("every advantage is 0"))
             self.policy_version = result.policy_version
             with timer("sync"):
@@ -327,7 +329,7 @@ class Controller:
         console.print(self.metrics.summary(self.workload.task_name))
         if self.config.logger.plot and self.metrics.history:
             png = plot_run(
-                self.metrics.path, self.run_dir / "run.png", self.workload.task_name, self.config.rollout.eval_samples
+                self.metrics.path, self.run_dir / "run.png", self.workload.task_name, self.config.eval.samples
             )
             console.print(f"[logra-train] metrics: {self.metrics.path}  plot: {png}")
 

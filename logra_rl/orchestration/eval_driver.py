@@ -18,7 +18,7 @@ from logra_rl.eval.evaluator import Evaluator
 from logra_rl.eval.export import export_checkpoint
 from logra_rl.models.loading import resolve_model_path
 from logra_rl.orchestration.cluster import start_ray
-from logra_rl.orchestration.rollout_group import RolloutGroup
+from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
 from logra_rl.rewards import RewardPool
 from logra_rl.rewards.grading import CompletionGrader
 
@@ -29,7 +29,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(name.removeprefix("step_")) if name.startswith("step_") and name[5:].isdigit() else 0
 
 
-def evaluate(config: RunConfig, run_dir: Path) -> dict[str, float]:
+def run_eval(config: RunConfig, run_dir: Path) -> dict[str, float]:
     """pass@k of the configured model or checkpoint on the data's eval split; graded samples under run_dir."""
     run_dir = Path(run_dir)
     step = 0
@@ -47,4 +47,8 @@ def evaluate(config: RunConfig, run_dir: Path) -> dict[str, float]:
         stack.callback(rollout.shutdown)
         rewards = stack.enter_context(RewardPool(config.trainer.grader_workers, config.trainer.grader_timeout_s))
         evaluator = Evaluator(config, workload, rollout, CompletionGrader(rewards, workload.tokenizer), run_dir)
-        return evaluator.evaluate(step)
+        while True:
+            try:
+                return evaluator.evaluate(step)
+            except EnginesRestarted:  # a restarted engine reads the evaluated model again: nothing to resync
+                continue

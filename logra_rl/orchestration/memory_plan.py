@@ -1,20 +1,21 @@
 """The run's memory, planned before anything starts.
 
 From the model's config (`models.footprint`: parameter counts, and the activations a layer saves, traced on
-the meta device), the optimizer, LoGRA rank and targets, dtypes, microbatch tokens, sequence lengths, train
-ranks and engines: what each process holds, part by part, and when. A part is held for the whole run
+the meta device): what each process holds, part by part, and when. Each component names its own parts: the
+update rule (`RuleMemory`: optimizer state, sketches, KL probe, payload), the train worker (`TrainWorker.memory`:
+weights, activations, logits) and the rollout engine (`memory`: weights, residual, KV cache); the plan adds
+the processes' runtimes and sums them by phase. A part is held for the whole run
 (`RESIDENT`) or only in one phase of the synchronous loop (loading, training, generating, syncing), so a
 process's peak is its resident parts plus its largest phase, and a device's need is its processes' resident
 parts plus the largest phase summed over them (on a CPU machine every process shares the host).
 
 The estimates are arithmetic plus a few measured constants (library runtimes, allocator slack), checked
-against measured peaks by `scripts/bench_memory.py` (docs/benchmarks.md §12).
+against measured peaks by `scripts/bench/bench_memory.py` (docs/benchmarks.md §12).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import psutil
@@ -23,13 +24,22 @@ from rich.console import Console
 from rich.table import Table
 
 from logra_rl.config import RunConfig
-from logra_rl.models.footprint import ModelFootprint, model_footprint
+from logra_rl.models.footprint import (
+    PHASES,
+    RESIDENT,
+    SYNCING,
+    TRAINING,
+    Lengths,
+    ModelFootprint,
+    Part,
+    model_footprint,
+)
 from logra_rl.orchestration.cluster import MIN_OBJECT_STORE_MB
-from logra_rl.rl.logprobs import logprob_chunk
-
-GIB = 2**30
-RESIDENT, LOADING, TRAINING, GENERATING, SYNCING = "resident", "loading", "training", "generating", "syncing"
-PHASES = (LOADING, TRAINING, GENERATING, SYNCING)
+from logra_rl.orchestration.rollout_group import engine_class
+from logra_rl.train.optimizers import UPDATE_RULES, RuleMemory, update_rule_class
+from logra_rl.train.worker import TrainWorker
+from logra_rl.utils.device import compute_dtype
+from logra_rl.utils.memory import GIB
 
 # Private memory of each process's libraries and interpreter, measured on CPU (torch 2.13, transformers 5):
 # a train worker (torch, transformers, peft, Ray's core worker, gloo), an HF engine, a vLLM-CPU engine, the
@@ -43,16 +53,6 @@ CUDA_HOST_GIB = 2.5  # host memory of a process driving a GPU (CUDA libraries, p
 # phase ends, `utils.memory.release_free_memory`), the CUDA caching allocator rounds and fragments.
 SLACK = 1.1
 RAY_MEMORY_THRESHOLD = 0.95  # Ray's memory monitor kills a worker above this share of the node's memory
-VLLM_ACTIVATION_GIB = 1.5  # vLLM's profiled activation peak and CUDA graphs, per GPU (a rough allowance)
-RESIDUAL_BYTES = {"tail": 2, "float32": 4, "bfloat16": 2, "none": 0}
-
-
-@dataclass(frozen=True)
-class Part:
-    name: str
-    nbytes: float
-    phase: str = RESIDENT
-    on_host: bool = False  # host memory of a process that computes on a GPU
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,6 @@ class Budget:
     @property
     def fits(self) -> bool:
         return self.have is None or self.need <= self.have
-
-
-@dataclass(frozen=True)
-class Lengths:
-    """Token lengths the plan sizes buffers for: the longest prompt, and prompt plus the longest response."""
-
-    prompt: int
-    sequence: int
 
 
 @dataclass(frozen=True)
@@ -160,24 +152,22 @@ def machine_of(config: RunConfig) -> Machine:
     return Machine(cuda=bool(cuda), host=host, gpu=gpu)
 
 
-def compute_dtype(config: RunConfig, cuda: bool) -> str:
-    """The trainer's compute dtype (`model.compute_dtype`; auto: bf16 on GPUs, fp32 on CPU)."""
-    dtype = config.model.compute_dtype
-    return ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
-
-
 def plan_memory(config: RunConfig, model_path: str, machine: Machine, prompt_tokens: int | None = None) -> MemoryPlan:
     """The plan of `config` on `machine` for the model at `model_path` (only its config is read), for prompts
     of at most `prompt_tokens` (the data's longest; None: `data.max_prompt_length`)."""
-    dtype = compute_dtype(config, machine.cuda)
-    footprint = model_footprint(model_path, config.logra.target_modules, dtype)
-    lora = config.optimizer.name == "lora"  # its adapters sit on optimizer.lora_targets
-    trained = model_footprint(model_path, config.optimizer.lora_targets, dtype) if lora else footprint
+    dtype = compute_dtype(config.model.compute_dtype, machine.cuda)
+    model = model_footprint(model_path, config.model.target_modules, dtype)
     prompt = min(prompt_tokens or config.data.max_prompt_length, config.data.max_prompt_length)
     lengths = Lengths(prompt, prompt + config.data.max_response_length)
-    train = _train_ranks(config, trained, lengths, machine.cuda)
-    engines, notes = _engines(config, footprint, lengths, machine)
-    driver = _driver(config, footprint)
+    rule = update_rule_class(config).memory(config, model, lengths.sequence, machine.cuda)
+    train = _train_ranks(config, model, rule, lengths, machine.cuda)
+    backend = config.rollout.backend
+    held, notes = engine_class(backend).memory(config, model, lengths, machine, merges=rule.payload > 0)
+    device = "each rollout GPU" if machine.cuda else "host"
+    engines = ProcessPlan(
+        "rollout engine", config.rollout.num_engines, device, (*held, *_runtime(backend, machine.cuda))
+    )
+    driver = _driver(config, model, rule)
     processes = (*train, engines, driver)
     gpus = {}  # each GPU of a kind needs what its largest process needs
     for process in (*train, engines):
@@ -194,195 +184,42 @@ def _host_need(processes: tuple[ProcessPlan, ...]) -> float:
     return max(sum(p.count * p.held(phase, on_host=p.device != "host") for p in processes) for phase in PHASES)
 
 
-def _train_ranks(config: RunConfig, model: ModelFootprint, lengths: Lengths, cuda: bool) -> tuple[ProcessPlan, ...]:
-    """Rank 0 (which also reads the checkpoint) and the other ranks."""
-    ranks = config.cluster.train_workers
-    c = model.compute_bytes
-    optimizer, rank = config.optimizer.name, config.logra.rank
-    parts = [Part("weights", 4 * model.params / ranks)]
-    if optimizer == "logra":
-        # sketches (d_out × r) and projections (r × k_in) of every target on every rank, fp32; row moments;
-        # the prepared direction (d_out × r) while an update is built
-        state = 4 * rank * (model.target_rows + model.target_cols) + 4 * model.target_rows
-        parts += [Part("LoGRA state", state), Part("LoGRA update", 4 * rank * model.target_rows, TRAINING)]
-    elif optimizer == "dense":
-        parts += [Part("Adam moments", 8 * model.params / ranks)]
-        parts += [Part("gradients", 4 * model.params / ranks + 2 * 4 * model.layer_params, TRAINING)]
-    else:  # `model`'s targets are LoRA's here (plan_memory)
-        adapters = sum(config.optimizer.lora_rank * (d_out + k_in) for d_out, k_in in model.targets)
-        parts += [Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING)]
-    # FSDP2 gathers a layer group into a flat buffer, then copies it out into the unsharded parameters: the
-    # root (embeddings, head) stays unsharded through forward and backward, one layer is computed while the
-    # next is gathered
-    gathered = c * (2 * model.root_params + 3 * model.layer_params)
-    parts += [Part("unsharded weights", gathered, TRAINING)]
-    tokens = _microbatch_tokens(config, lengths.sequence)
-    parts += [Part("activations", _activations(config, model, optimizer, tokens), TRAINING)]
-    responses = min(tokens, _rank_rows(config) * config.data.max_response_length)  # log-probs of response tokens
-    parts += [Part("logits", _logits(model, responses, c), TRAINING)]
-    parts += [Part("KL probe", _probe(config, model, lengths.sequence, c), TRAINING)]
-    if optimizer != "logra" and config.optimizer.measure_kl:
-        parts += [Part("KL probe logits", _kept_logits(config, model), TRAINING, on_host=cuda)]
-    transients = sum(p.nbytes for p in parts if p.phase == TRAINING)
-    parts += [Part("allocator slack", (SLACK - 1) * transients, TRAINING)]
+def _runtime(kind: str, cuda: bool) -> list[Part]:
+    """A process's libraries: on a GPU node a CUDA context on its GPU and the CUDA libraries in host memory,
+    else their measured share of the host (`RUNTIME_GIB[kind]`)."""
     if cuda:
-        parts += [Part("CUDA context", CUDA_CONTEXT_GIB * GIB), Part("runtime", CUDA_HOST_GIB * GIB, on_host=True)]
-        device = "each train GPU"
-    else:
-        parts += [Part("runtime", RUNTIME_GIB["train"] * GIB)]
-        device = "host"
-    # rank 0 reads the whole checkpoint as fp32 into host memory while its shards exist, then broadcasts it;
-    # an fp32 checkpoint is memory-mapped (page cache, which the kernel reclaims), any other is converted
-    loaded = 0 if model.checkpoint_bytes == 4 else 4 * model.params
-    loading = Part("checkpoint copy", loaded, LOADING, on_host=cuda)
+        return [Part("CUDA context", CUDA_CONTEXT_GIB * GIB), Part("runtime", CUDA_HOST_GIB * GIB, on_host=True)]
+    return [Part("runtime", RUNTIME_GIB[kind] * GIB)]
+
+
+def _train_ranks(
+    config: RunConfig, model: ModelFootprint, rule: RuleMemory, lengths: Lengths, cuda: bool
+) -> tuple[ProcessPlan, ...]:
+    """Rank 0 (which also reads the checkpoint) and the other ranks: the worker's weights, activations and
+    logits around the update rule's state and KL probe."""
+    resident, training, loading = TrainWorker.memory(config, model, rule.saved_per_token, lengths.sequence, cuda)
+    parts = [*resident, *rule.state, *training, *rule.probe]
+    transients = sum(p.nbytes for p in parts if p.phase == TRAINING)
+    parts += [Part("allocator slack", (SLACK - 1) * transients, TRAINING), *_runtime("train", cuda)]
+    device, ranks = "each train GPU" if cuda else "host", config.cluster.train_workers
     first = ProcessPlan("train rank 0", 1, device, (*parts, loading))
     return (first, ProcessPlan("train rank", ranks - 1, device, tuple(parts))) if ranks > 1 else (first,)
 
 
-def _microbatch_tokens(config: RunConfig, sequence: int) -> int:
-    """Tokens of a rank's largest microbatch: the budget (or one whole sequence when it is longer), or the rank's
-    whole share of the step when that is less."""
-    return min(max(config.trainer.micro_batch_tokens, sequence), _rank_rows(config) * sequence)
-
-
-def _rank_rows(config: RunConfig) -> int:
-    """Responses a train rank gets per step."""
-    return math.ceil(config.trainer.prompts_per_step * config.rollout.n / config.cluster.train_workers)
-
-
-def _activations(config: RunConfig, model: ModelFootprint, optimizer: str, tokens: int) -> float:
-    """What backward needs of one microbatch: every layer's saved tensors, or with activation checkpointing
-    each layer's input plus one layer recomputed. LoGRA keeps x·Aᵀ (tokens × rank) per target; LoRA keeps its
-    adapters' inputs and the rank-wide middle."""
-    c = model.compute_bytes
-    per_layer = model.saved_trainable if optimizer == "dense" else model.saved_frozen
-    targets_per_layer = len(model.targets) / model.layers
-    if optimizer == "logra":
-        per_layer += c * targets_per_layer * config.logra.rank
-    elif optimizer == "lora":
-        per_layer = model.saved_trainable + c * targets_per_layer * config.optimizer.lora_rank
-    if config.model.activation_checkpointing:
-        return tokens * (model.layers * model.hidden * c + per_layer)
-    return tokens * model.layers * per_layer
-
-
-def _logits(model: ModelFootprint, responses: int, c: int) -> float:
-    """Sampled-token log-probs of the `responses` tokens through the LM head in chunks (`rl.head_logprobs`): one
-    chunk's logits in the compute dtype, as fp32 and scaled, and in backward their gradient (the last chunk is
-    kept, not recomputed)."""
-    positions = min(responses, logprob_chunk(model.vocab))
-    return positions * model.vocab * (c + 3 * 4)
-
-
-def _kept_logits(config: RunConfig, model: ModelFootprint) -> float:
-    """A dense or LoRA step's KL is measured against the policy's logits before it, kept in fp32 (on the host
-    on a GPU node) at the probe rows' generated-token predictions."""
-    kl = config.logra.kl
-    return 4 * kl.probe_responses * min(config.data.max_response_length, kl.probe_max_tokens) * model.vocab
-
-
-def _probe(config: RunConfig, model: ModelFootprint, sequence: int, c: int) -> float:
-    """LoGRA's KL probe: `probe_responses` whole rows run without gradients, one layer's intermediates at a
-    time, their final hidden states kept for the stepped pass. The JVP estimator also carries a tangent for
-    each, and its attention runs on SDPA's math backend (no fused kernel has a forward-AD rule): scores,
-    probabilities and their tangents, rows × heads × length² for one layer at a time. Dense and LoRA steps
-    measure their realised KL with no-grad forwards of the same rows, once the backward's activations are
-    freed (`_kept_logits` is what they hold)."""
-    if config.optimizer.name != "logra":
-        return 0.0
-    kl = config.logra.kl
-    rows, length = kl.probe_responses, min(sequence, kl.probe_max_tokens)
-    layer = rows * length * (model.saved_frozen + 2 * model.hidden * c)
-    if kl.estimator != "jvp":
-        return layer
-    return 2 * layer + 4 * rows * model.heads * length**2 * c
-
-
-def _engines(
-    config: RunConfig, model: ModelFootprint, lengths: Lengths, machine: Machine
-) -> tuple[ProcessPlan, list[str]]:
-    """One rollout engine: its weights, merge residual, KV cache and generation transients."""
-    rollout = config.rollout
-    dtype = torch.finfo(getattr(torch, rollout.dtype)).bits // 8
-    # the tail is an fp32 master's low bits: fp32 weights need none (the other residuals are allocated as asked)
-    residual = 0 if rollout.dtype == "float32" and rollout.residual == "tail" else RESIDUAL_BYTES[rollout.residual]
-    if config.optimizer.name != "logra":
-        residual = 0  # dense and LoRA updates reach the engines as full resyncs: no merge, no residual
-    tp = rollout.gpus_per_engine
-    sequence = lengths.sequence
-    notes = []
-    parts = [Part("weights", dtype * model.params / tp), Part("residual", residual * model.target_params / tp)]
-    if machine.cuda and rollout.backend == "vllm":
-        # vLLM takes gpu_memory_utilization of its GPU for weights, activations and KV cache; the residual
-        # lives beside it
-        budget = rollout.gpu_memory_utilization * (machine.gpu or 80 * GIB)
-        kv = budget - parts[0].nbytes - VLLM_ACTIVATION_GIB * GIB
-        parts += [Part("KV cache (vLLM's share)", max(kv, 0.0)), Part("vLLM activations", VLLM_ACTIVATION_GIB * GIB)]
-        parts += [Part("CUDA context", CUDA_CONTEXT_GIB * GIB), Part("runtime", CUDA_HOST_GIB * GIB, on_host=True)]
-        tokens = kv / model.kv_bytes_per_token(dtype, tp)
-        notes.append(
-            f"each vLLM engine: KV cache for about {kv / GIB:.1f} GiB per GPU = {tokens:,.0f} tokens "
-            f"({tokens / sequence:.1f} sequences of {sequence}); the {rollout.residual} residual takes "
-            f"{parts[1].nbytes / GIB:.1f} GiB per GPU beside vLLM's {rollout.gpu_memory_utilization:g}"
-        )
-        if machine.gpu is None:
-            notes.append("vLLM's KV cache assumed of an 80 GiB GPU: set cluster.gpu_memory_gib to plan another")
-        if kv <= 0:
-            notes.append(
-                f"vLLM's share ({rollout.gpu_memory_utilization:g} of the GPU) does not hold the weights: raise "
-                "rollout.gpu_memory_utilization or rollout.gpus_per_engine"
-            )
-        return ProcessPlan("rollout engine", rollout.num_engines, "each rollout GPU", tuple(parts)), notes
-    if rollout.backend == "vllm":  # vLLM-CPU: packed weights beside HF-layout shadows of the targets
-        from logra_rl.rollout.base import EngineSpec
-        from logra_rl.rollout.vllm_engine import cpu_kv_cache_gib
-
-        spec = EngineSpec.from_config(config, "")
-        kv_gib = cpu_kv_cache_gib(model.kv_bytes_per_token(dtype, tp), spec.max_model_len, spec.max_num_seqs)
-        shadow = dtype * model.target_params if config.optimizer.name == "logra" else 0
-        parts += [Part("shadow targets", shadow), Part("KV cache", tp * kv_gib * GIB)]
-        runtime = RUNTIME_GIB["vllm"]
-    else:
-        rows = _generate_rows(config)
-        parts += [Part("KV cache", rows * sequence * model.kv_bytes_per_token(dtype), GENERATING)]
-        parts += [Part("logits", 3 * 4 * rows * model.vocab, GENERATING)]
-        # the whole batch's prompts go through one layer at a time: that layer's intermediates are the peak
-        parts += [Part("prefill", rows * lengths.prompt * model.saved_frozen * dtype / model.compute_bytes, GENERATING)]
-        runtime = RUNTIME_GIB["hf"]
-    if residual:  # a resync splits each weight's fp32 master into bf16 and tail with int32 temporaries
-        largest = max(d_out * k_in for d_out, k_in in model.targets)
-        parts += [Part("resync split", 16 * largest, SYNCING)]
-    if machine.cuda:
-        parts += [Part("CUDA context", CUDA_CONTEXT_GIB * GIB), Part("runtime", CUDA_HOST_GIB * GIB, on_host=True)]
-    else:
-        parts += [Part("runtime", runtime * GIB)]
-    device = "each rollout GPU" if machine.cuda else "host"
-    return ProcessPlan("rollout engine", rollout.num_engines, device, tuple(parts)), notes
-
-
-def _generate_rows(config: RunConfig) -> int:
-    """Rows an HF engine generates together: a step's (or an eval's) share, at most one generate batch."""
-    from logra_rl.rollout.hf_engine import GENERATE_BATCH_ROWS
-
-    train = config.trainer.prompts_per_step * config.rollout.n
-    evaluation = (config.data.eval_size or 0) * config.rollout.eval_samples if config.trainer.eval_every else 0
-    return min(GENERATE_BATCH_ROWS, math.ceil(max(train, evaluation) / config.rollout.num_engines))
-
-
-def _driver(config: RunConfig, model: ModelFootprint) -> ProcessPlan:
-    """The driver with Ray's own processes, the grading processes and (on a local Ray) the object store's
-    pages a full resync writes: the fp32 model, up to the store's size."""
+def _driver(config: RunConfig, model: ModelFootprint, rule: RuleMemory) -> ProcessPlan:
+    """The driver with Ray's own processes, the grading processes, a step's payload in Ray's object store (rank
+    0 puts it there and the engines read it; the driver holds only a reference) and (on a local Ray) the object
+    store's pages a full resync writes: the fp32 model, up to the store's size."""
     parts = [
         Part("runtime", RUNTIME_GIB["driver"] * GIB),
         Part("data", DATA_GIB.get(config.data.task, 0.0) * GIB),
         Part("Ray processes", RUNTIME_GIB["ray"] * GIB),
         Part("graders", config.trainer.grader_workers * RUNTIME_GIB["grader"] * GIB),
     ]
-    if config.optimizer.name == "logra":  # a payload from rank 0, received and deserialised on its way
-        payload = config.logra.rank * model.target_rows * (2 if config.logra.wire_dtype == "bfloat16" else 4)
-        parts.append(Part("payloads", 2 * payload, SYNCING))
+    if rule.payload:
+        parts.append(Part("payload (object store)", rule.payload, SYNCING))
     if not config.ray.address:
-        store = config.ray.object_store_mb or max(MIN_OBJECT_STORE_MB, 3 * config.rollout.resync_bucket_mb)
+        store = config.ray.object_store_mb or max(MIN_OBJECT_STORE_MB, 3 * config.sync.bucket_mb)
         parts.append(Part("object store", min(store * 2**20, 4 * model.params), SYNCING))
     return ProcessPlan("driver + Ray", 1, "host", tuple(parts))
 
@@ -395,31 +232,22 @@ class MemoryPlanError(ValueError):
 
 
 def alternatives(config: RunConfig) -> list[tuple[str, RunConfig]]:
-    """The changes a user can make to need less memory, as (override, changed config)."""
-    changes = []
-    if config.optimizer.name != "logra":
-        changes.append(("optimizer=logra", with_changes(config, optimizer={"name": "logra"})))
+    """The changes a user can make to need less memory, as (override, changed config): a lean update rule
+    (`memory_lean`), more train ranks, activation checkpointing, smaller microbatches, the rule's own cuts."""
+    changes = [
+        (f"optimizer={name}", {"optimizer": {"name": name}})
+        for name, rule in UPDATE_RULES.items()
+        if rule.memory_lean and name != config.optimizer.name
+    ]
     workers = config.cluster.train_workers
-    changes.append(
-        (f"cluster.train_workers={2 * workers}", with_changes(config, cluster={"train_workers": 2 * workers}))
-    )
+    changes.append((f"cluster.train_workers={2 * workers}", {"cluster": {"train_workers": 2 * workers}}))
     if not config.model.activation_checkpointing:
-        changes.append(
-            ("model.activation_checkpointing=true", with_changes(config, model={"activation_checkpointing": True}))
-        )
+        changes.append(("model.activation_checkpointing=true", {"model": {"activation_checkpointing": True}}))
     tokens = config.trainer.micro_batch_tokens
     if tokens >= 1024:
-        changes.append(
-            (
-                f"trainer.micro_batch_tokens={tokens // 2}",
-                with_changes(config, trainer={"micro_batch_tokens": tokens // 2}),
-            )
-        )
-    if config.optimizer.name == "logra" and config.logra.rank >= 16:
-        changes.append(
-            (f"logra.rank={config.logra.rank // 2}", with_changes(config, logra={"rank": config.logra.rank // 2}))
-        )
-    return changes
+        changes.append((f"trainer.micro_batch_tokens={tokens // 2}", {"trainer": {"micro_batch_tokens": tokens // 2}}))
+    changes += update_rule_class(config).memory_cuts(config)
+    return [(override, with_changes(config, **groups)) for override, groups in changes]
 
 
 def memory_problem(

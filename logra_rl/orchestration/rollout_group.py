@@ -2,9 +2,11 @@
 
 Engines hold nothing the trainer cannot recreate, so a lost one is replaced, not fatal: an engine whose process
 dies, or that does not answer a call within `rollout.call_timeout_s`, is restarted by Ray in its own bundle
-(the actor's `max_restarts`), brought to the current policy by `on_restart` (the weight sync's full resync),
-and asked again: the same call with the same seeds, so the samples are the ones it would have returned.
-After `rollout.max_restarts` restarts in a run the next loss stops the run, naming the engine and the error.
+(the actor's `max_restarts`) and the call raises `EnginesRestarted`, naming the engines that now hold the
+checkpoint they started from instead of the policy. The caller brings them to the policy
+(`WeightSync.retried`: a full resync of those engines) and asks again: the same call with the same seeds, so
+the samples are the ones it would have returned. After `rollout.max_restarts` restarts in a run the next loss
+stops the run, naming the engine and the error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from logra_rl.orchestration.cluster import WorkerGroup
 from logra_rl.rollout import Completion, MergeMode, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.base import EngineSpec
 from logra_rl.rollout.vllm_engine import ENGINE_INDEX
+from logra_rl.train.api import PayloadRef
 
 
 def engine_class(backend: str) -> type[RolloutEngine]:
@@ -38,6 +41,15 @@ def engine_class(backend: str) -> type[RolloutEngine]:
 
 class EngineFailure(RuntimeError):
     """Engines were lost more often than `rollout.max_restarts` allows."""
+
+
+class EnginesRestarted(Exception):
+    """Engines were lost during a call and are up again in their bundles, holding the checkpoint they started
+    from: they need the policy's weights before the call is made again."""
+
+    def __init__(self, engines: list[int], reasons: str) -> None:
+        super().__init__(f"rollout engines {engines} restarted: {reasons}")
+        self.engines = engines
 
 
 class RolloutGroup:
@@ -57,7 +69,6 @@ class RolloutGroup:
         )
         self.engines = self.workers.actors
         self.restarts = 0  # engines restarted in this run (fault/engine_restarts)
-        self.on_restart: Callable[[list[int]], None] | None = None  # brings restarted engines to the policy
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -76,9 +87,10 @@ class RolloutGroup:
         results = self._each(lambda e, engine: engine.merge_mode.remote(), range(len(self)))
         return [results[e] for e in range(len(self))]
 
-    def apply_payload(self, payload: ray.ObjectRef) -> list[SyncResult]:
-        results = self._each(lambda e, engine: engine.apply_payload.remote(payload), range(len(self)))
-        return [results[e] for e in range(len(self))]
+    def apply_payload(self, payload: PayloadRef) -> dict[int, SyncResult]:
+        """Every engine reads the payload from the object store itself (Ray resolves the reference in its
+        process); results by engine index."""
+        return self._each(lambda e, engine: engine.apply_payload.remote(payload.ref), range(len(self)))
 
     def load_weights(
         self, state: ray.ObjectRef, version: int, bucket: int, buckets: int, engines: Sequence[int] | None = None
@@ -95,29 +107,23 @@ class RolloutGroup:
         self.workers.kill()
 
     def _each(self, call: Callable[[int, ActorHandle], ray.ObjectRef], engines: Sequence[int]) -> dict[int, Any]:
-        """`call(e, engine)` for each engine index, results by index; lost engines are restarted, resynced and
-        called again (see the module docstring)."""
+        """`call(e, engine)` for each engine index, results by index; lost engines are restarted and reported
+        (`EnginesRestarted`, see the module docstring)."""
         results: dict[int, Any] = {}
-        pending = list(engines)
-        while pending:
-            refs = {e: call(e, self.engines[e]) for e in pending}
-            lost = self._collect(refs, results)
-            if not lost:
-                break
-            self.restarts += len(lost)
-            reasons = "; ".join(f"engine {e}: {reason}" for e, reason in lost.items())
-            if self.restarts > self.max_restarts:
-                raise EngineFailure(
-                    f"rollout engine lost after {self.restarts - len(lost)} restarts (rollout.max_restarts="
-                    f"{self.max_restarts}): {reasons}"
-                )
-            print(f"[logra-train] {reasons}; restarted in its bundle, resyncing and asking again", flush=True)
-            for e in lost:
-                self._await_restart(e, reasons)
-            if self.on_restart is not None:
-                self.on_restart(sorted(lost))
-            pending = sorted(lost)
-        return results
+        lost = self._collect({e: call(e, self.engines[e]) for e in engines}, results)
+        if not lost:
+            return results
+        self.restarts += len(lost)
+        reasons = "; ".join(f"engine {e}: {reason}" for e, reason in lost.items())
+        if self.restarts > self.max_restarts:
+            raise EngineFailure(
+                f"rollout engine lost after {self.restarts - len(lost)} restarts (rollout.max_restarts="
+                f"{self.max_restarts}): {reasons}"
+            )
+        print(f"[logra-train] {reasons}; restarted in its bundle, resyncing and asking again", flush=True)
+        for e in lost:
+            self._await_restart(e, reasons)
+        raise EnginesRestarted(sorted(lost), reasons)
 
     def _await_restart(self, engine: int, reasons: str) -> None:
         """Until Ray has the engine's new process up (its constructor run); calls to it fail meanwhile."""

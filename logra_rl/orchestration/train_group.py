@@ -2,9 +2,9 @@
 
 Every method is one round trip that runs on all ranks in lock-step (each is a collective inside the
 group). Rank 0 speaks for the group: the ranks all-reduce what they share, so rank 0's answer is the
-group's; only it serialises payloads and gathers resync buckets. A rank that dies, or a step that takes
-longer than `trainer.step_timeout_s` (a hung collective), kills the whole group and raises `GroupLost`:
-the controller then builds a new group from the last checkpoint.
+group's; only it puts payloads and resync buckets into Ray's object store (the driver gets references).
+A rank that dies, or a step that takes longer than `trainer.step_timeout_s` (a hung collective), kills the
+whole group and raises `GroupLost`: the controller then builds a new group from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ class TrainGroup:
         self.actors = self.workers.actors
         self.step_timeout_s = config.trainer.step_timeout_s
 
-    def __len__(self) -> int:
-        return len(self.actors)
-
     def setup(self) -> int:
         """Form the process group and load the model (rank 0 reads it); returns the policy version."""
         address, port = ray.get(self.actors[0].address.remote())
@@ -51,6 +48,8 @@ class TrainGroup:
             a.train_step.remote(batch.rows(torch.as_tensor(s)), step) for a, s in zip(self.actors, shards, strict=True)
         ]
         results = self.workers.gather(calls, timeout_s=self.step_timeout_s)
+        # ranks that commit different updates would train different models from then on: the engines cannot
+        # see it (only rank 0's payloads reach them), so the group is checked here
         versions = {r.policy_version for r in results}
         if len(versions) != 1:
             raise RuntimeError(f"train ranks disagree on the policy version after step {step}: {sorted(versions)}")
@@ -67,7 +66,7 @@ class TrainGroup:
         return self._leader([a.weights_at.remote(coordinates) for a in self.actors])
 
     def full_state(self, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """The merged fp32 master state (or `keys` of it) on the driver: for tests and small models."""
+        """The merged fp32 master state (or `keys` of it) on the driver: how the tests read the master."""
         return self._leader([a.full_state.remote(None if keys is None else tuple(keys)) for a in self.actors])
 
     def save(self, directory: str) -> None:

@@ -1,15 +1,18 @@
 """WeightSync: every way the trainer's weights reach the rollout engines.
 
-- a step's `LowRankPayloads` are broadcast to every engine, in order; each engine version-gates them;
-- a refused payload, a dense / LoRA update (`FullResync`), an engine left at another version, a drift
-  probe that reads a difference where the merges are exact, or the optional periodic
-  `rollout.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets through Ray's
+- a step's `LowRankPayloads` go to every engine, in order, as references: train rank 0 put each payload in
+  Ray's object store and every engine reads it from there; the engine's merger gate (the payload's base
+  version must be the engine's) is the one version check, and the versions engines report are recorded;
+- a refused payload, a dense / LoRA update (`FullResync`), engines restarted during a payload, a drift
+  check that reads a difference where the merges are exact, or the optional periodic
+  `sync.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets through Ray's
   object store, and the engines load bf16(master) with exact residuals;
 - `NoChange` (every update skipped) sends nothing;
-- after every sync the drift probe compares engine weights with bf16(master) at seeded coordinates.
+- after every sync the drift check compares engine weights with bf16(master) at seeded coordinates;
+- engines restarted during any call (`EnginesRestarted`) are resynced and the call made again (`retried`).
 
 A LoGRA run needs engines that merge payloads in place: one that cannot (an unknown or quantized layout)
-stops the run at start-up with the engine's reason, unless `rollout.allow_resync_fallback` accepts a full
+stops the run at start-up with the engine's reason, unless `sync.allow_resync_fallback` accepts a full
 resync per update.
 
 It keeps each engine's last reported version; the train group owns the version itself.
@@ -17,16 +20,21 @@ It keeps each engine's last reported version; the train group owns the version i
 
 from __future__ import annotations
 
-import ray
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import split_master
-from logra_rl.orchestration.rollout_group import RolloutGroup
+from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rollout import MergeMode, SyncResult
-from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
+from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, PayloadRef, WeightUpdate
+from logra_rl.train.optimizers import update_rule_class
 from logra_rl.utils.seeding import DRIFT_STREAM, stream_seed
+
+T = TypeVar("T")
 
 
 class InPlaceMergeRefused(ValueError):
@@ -40,12 +48,12 @@ def check_in_place(modes: list[MergeMode], allow_resync_fallback: bool) -> None:
         print(f"[logra-train] LoGRA payloads merge into the engines: {', '.join(m.mode for m in modes)}", flush=True)
         return
     if allow_resync_fallback:
-        print(f"[logra-train] every update is a full resync (rollout.allow_resync_fallback): {reasons[0]}", flush=True)
+        print(f"[logra-train] every update is a full resync (sync.allow_resync_fallback): {reasons[0]}", flush=True)
         return
     raise InPlaceMergeRefused(
         f"the rollout engines cannot merge LoGRA payloads in place: {'; '.join(reasons)}. Every update would be a "
         "full resync of the fp32 weights (at 7B about 30 GB a step); use a model whose layout the engines merge "
-        "into (Qwen2/2.5/3, Llama, Gemma 3, SmolLM2, unquantized), or set rollout.allow_resync_fallback=true to "
+        "into (Qwen2/2.5/3, Llama, Gemma 3, SmolLM2, unquantized), or set sync.allow_resync_fallback=true to "
         "run with full resyncs"
     )
 
@@ -61,30 +69,45 @@ class WeightSync:
         self.config = config
         self.train = train
         self.rollout = rollout
-        self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift probe looks
-        self.buckets = train.resync_buckets(int(config.rollout.resync_bucket_mb * 2**20))
-        self.engine_versions = [-1] * len(rollout)  # -1: not loaded yet
+        self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift check looks
+        self.buckets = train.resync_buckets(int(config.sync.bucket_mb * 2**20))
+        self.engine_versions = [-1] * len(rollout)  # as the engines report them; -1: not loaded yet
+        self.version: int | None = None  # the policy version the engines were last brought to
         # the residual keeps every engine weight at bf16(master) exactly: a drift is a fault to repair
-        self.exact = config.rollout.dtype == "float32" or config.rollout.residual in ("tail", "float32")
-        if config.optimizer.name == "logra":
-            check_in_place(rollout.merge_modes(), config.rollout.allow_resync_fallback)
+        self.exact = config.rollout.dtype == "float32" or config.sync.residual in ("tail", "float32")
+        if update_rule_class(config).sends_payloads:
+            check_in_place(self.retried(rollout.merge_modes), config.sync.allow_resync_fallback)
+
+    def retried(self, call: Callable[[], T]) -> T:
+        """`call()` on the engines, made again after engines lost during it were restarted (`EnginesRestarted`)
+        and resynced to the policy; bounded by `rollout.max_restarts` (RolloutGroup counts the restarts). Before
+        the first sync a restarted engine holds the checkpoint, as the others do: nothing to resync."""
+        while True:
+            try:
+                return call()
+            except EnginesRestarted as restarted:
+                if self.version is not None:
+                    self.full_resync(self.version, restarted.engines)
 
     def full_resync(self, version: int, engines: list[int] | None = None) -> float:
         """Load bf16(master) (with exact residuals) into every engine (or `engines`: restarted ones); returns
         the bytes moved per engine.
 
-        The fp32 master streams in buckets (`rollout.resync_bucket_mb`): train rank 0 gathers one into
-        Ray's object store, the engines read it from there; no process holds the whole fp32 model.
+        The fp32 master streams in buckets (`sync.bucket_mb`): train rank 0 gathers one into
+        Ray's object store, the engines read it from there; no process holds the whole fp32 model. An engine
+        lost meanwhile starts again from the checkpoint: the resync starts again from its first bucket.
         """
-        results: dict[int, SyncResult] = {}
-        for index, bucket in enumerate(self.buckets):
-            state = self.train.resync_bucket(bucket)
-            results = self.rollout.load_weights(state, version, index, len(self.buckets), engines)
-            del state  # frees it in the object store before the next one is gathered
+        results = None
+        while results is None:
+            try:
+                for index, bucket in enumerate(self.buckets):
+                    state = self.train.resync_bucket(bucket)
+                    results = self.rollout.load_weights(state, version, index, len(self.buckets), engines)
+                    del state  # frees it in the object store before the next one is gathered
+            except EnginesRestarted:
+                results = None  # what the engines had loaded is no policy: every bucket again
         self._record(results)
-        stale = [self.engine_versions[e] for e in results if self.engine_versions[e] != version]
-        if stale:
-            raise RuntimeError(f"full resync left engines at versions {stale}, not {version}")
+        self.version = version
         return float(sum(bucket.nbytes for bucket in self.buckets))
 
     def first_sync(self, version: int, engines_exact: bool) -> float:
@@ -92,34 +115,29 @@ class WeightSync:
 
         Engines start at version 0 with the checkpoint as they read it. When that is already bf16(master)
         (`engines_exact`: the trainer read the same checkpoint, at version 0, and it converts exactly to the
-        rollout dtype) and the drift probe agrees, nothing is sent: a full resync would write the same bits
+        rollout dtype) and the drift check agrees, nothing is sent: a full resync would write the same bits
         (42 s at Qwen2.5-1.5B's shape on CPU). Otherwise (a resume, an fp32 checkpoint for bf16 engines)
         a full resync."""
         if engines_exact and version == 0 and self.drift(step=0) == 0.0:
             self.engine_versions = [0] * len(self.rollout)
+            self.version = 0
             return 0.0
         return self.full_resync(version)
 
-    def sync(self, update: WeightUpdate, version: int, step: int) -> dict[str, float]:
+    def sync(self, update: WeightUpdate[PayloadRef], version: int, step: int) -> dict[str, float]:
         """Bring every engine to `version` after `update`; resync fully on refusal, for dense/LoRA updates,
-        when the drift probe finds a difference exact merges cannot leave, and every `rollout.resync_every`
-        steps if set. Returns the sync/* metrics, with the drift the probe read before any repair."""
-        resync_every = self.config.rollout.resync_every
+        when the drift check finds a difference exact merges cannot leave, and every `sync.resync_every`
+        steps if set. Returns the sync/* metrics, with the drift the drift check read before any repair."""
+        resync_every = self.config.sync.resync_every
         needs_resync = isinstance(update, FullResync) or bool(resync_every and (step + 1) % resync_every == 0)
         refused, payload_bytes = 0, 0.0
         if isinstance(update, LowRankPayloads):
-            for payload in update.payloads:
-                payload_bytes += len(payload)
-                results = self.rollout.apply_payload(ray.put(payload))
-                self._record(dict(enumerate(results)))
-                refused += sum(not r.applied for r in results)
-                if refused:
-                    break
+            refused, payload_bytes, restarted = self._apply_payloads(update.payloads)
+            needs_resync = needs_resync or refused > 0 or restarted
         elif not isinstance(update, FullResync | NoChange):
             raise TypeError(f"unknown weight update {update!r}")
-        # a refusal leaves the engine needing a resync even when its version is right (a duplicate payload)
-        needs_resync = needs_resync or refused > 0 or any(v != version for v in self.engine_versions)
         resync_bytes = self.full_resync(version) if needs_resync else 0.0
+        self.version = version
         drift = self.drift(step)
         if drift > 0 and self.exact:
             said = f"[logra-train] step {step}: the engines' weights differ from bf16(master) by up to {drift:.3g}"
@@ -132,8 +150,24 @@ class WeightSync:
             "sync/payload_bytes": payload_bytes,
             "sync/refused": float(refused),
             "sync/full_resync_bytes": resync_bytes,
-            "sync/weight_max_abs_diff": drift,
+            "sync/drift": drift,
         }
+
+    def _apply_payloads(self, payloads: tuple[PayloadRef, ...]) -> tuple[int, float, bool]:
+        """Each payload to every engine, in order, until one is refused; returns the refusals, the bytes sent
+        per engine and whether engines were restarted meanwhile (they need a full resync, as refusers do)."""
+        refused, sent = 0, 0.0
+        try:
+            for payload in payloads:
+                sent += payload.nbytes
+                results = self.rollout.apply_payload(payload)
+                self._record(results)
+                refused += sum(not r.applied for r in results.values())
+                if refused:
+                    break
+        except EnginesRestarted:
+            return refused, sent, True
+        return refused, sent, False
 
     def _record(self, results: dict[int, SyncResult]) -> None:
         for engine, result in results.items():
@@ -142,7 +176,7 @@ class WeightSync:
     def _rounded(self, master: torch.Tensor) -> torch.Tensor:
         """The engine-dtype value an exact merge leaves for `master`, as float32."""
         dtype = getattr(torch, self.config.rollout.dtype)
-        if self.config.rollout.residual == "tail" and dtype == torch.bfloat16:
+        if self.config.sync.residual == "tail" and dtype == torch.bfloat16:
             return split_master(master)[0].float()
         return master.to(dtype).float()
 
@@ -150,7 +184,7 @@ class WeightSync:
         """max |W_rollout − bf16(master)| at seeded coordinates of every target (0 with an exact residual;
         with the tail, bf16(master) is `split_master`'s, the other nearest neighbour at exact ties)."""
         generator = torch.Generator().manual_seed(stream_seed(self.config.trainer.seed, step, DRIFT_STREAM) % 2**63)
-        count = self.config.rollout.probe_coordinates
+        count = self.config.sync.drift_check_coordinates
         coordinates = {
             name: (
                 torch.randint(rows, (count,), generator=generator),
@@ -161,7 +195,7 @@ class WeightSync:
         masters = self.train.weights_at(coordinates)
         expected = {name: self._rounded(master) for name, master in masters.items()}
         worst = 0.0
-        for engine in self.rollout.weights_at(coordinates):
+        for engine in self.retried(lambda: self.rollout.weights_at(coordinates)):
             for name, values in engine.items():  # an engine in full-resync mode cannot read its weights
                 difference = (values - expected[name]).abs()
                 worst = max(worst, float("inf") if difference.isnan().any() else float(difference.max()))

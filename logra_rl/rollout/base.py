@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from logra_rl.config import RunConfig
+from logra_rl.logra.merge import residual_bytes
+from logra_rl.models.footprint import SYNCING, Lengths, ModelFootprint, Part
+
+if TYPE_CHECKING:
+    from logra_rl.orchestration.memory_plan import Machine
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,10 @@ class Completion:
 
 @dataclass(frozen=True)
 class SyncResult:
+    """What every engine call that changes weights answers (and each vLLM worker inside it)."""
+
     applied: bool
-    version: int  # the engine's policy version after the call
+    version: int  # the engine's policy version after the call: what the weight sync records
     reason: str = ""  # why a payload was refused (the weight sync then resyncs)
 
 
@@ -64,7 +71,6 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.6  # vllm backend
     max_model_len: int = 4096  # vllm backend
     seed: int = 0  # vllm backend: the engine's default seed (requests carry their own)
-    max_num_seqs: int = 256  # vllm backend: sequences decoded together (sizes the CPU KV cache)
 
     @classmethod
     def from_config(cls, config: RunConfig, model_path: str) -> EngineSpec:
@@ -72,9 +78,9 @@ class EngineSpec:
         return cls(
             model_path=model_path,
             dtype=rollout.dtype,
-            residual=rollout.residual,
-            target_modules=config.logra.target_modules,
-            merge_chunk_rows=config.logra.merge_chunk_rows,
+            residual=config.sync.residual,
+            target_modules=config.model.target_modules,
+            merge_chunk_rows=config.sync.merge_chunk_rows,
             device=config.cluster.device,
             attn_implementation=config.model.attn_implementation,
             tensor_parallel_size=rollout.gpus_per_engine,
@@ -89,13 +95,22 @@ class RolloutEngine(Protocol):
 
     def __init__(self, spec: EngineSpec) -> None: ...
 
+    @staticmethod
+    def memory(
+        config: RunConfig, model: ModelFootprint, lengths: Lengths, machine: Machine, merges: bool
+    ) -> tuple[list[Part], list[str]]:
+        """What one engine holds for `model` on `machine` (the memory plan adds its runtime), and notes for the
+        user; `merges`: the update rule's payloads are merged in place (else every update is a full resync)."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]: ...
 
     def merge_mode(self) -> MergeMode:
         """Whether payloads merge in place, decided at start-up."""
 
-    def apply_payload(self, payload: bytes) -> SyncResult:
-        """Merge a LoGRA payload in place (version-gated); a refusal is reported, never raised."""
+    def apply_payload(self, payload: np.ndarray) -> SyncResult:
+        """Merge a LoGRA payload (`UpdatePayload.to_bytes()` as Ray delivers a `PayloadRef`: a read-only uint8
+        view of the object store) in place. The merger's version gate decides: the payload's base version must
+        be the engine's. A refusal is reported, never raised."""
 
     def load_weights(
         self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
@@ -104,5 +119,19 @@ class RolloutEngine(Protocol):
         from the trainer (zero-copy out of Ray's object store), or tensors."""
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Targeted weights at HF (rows, cols), full values (the drift probe); targets the engine cannot
+        """Targeted weights at HF (rows, cols), full values (the drift check); targets the engine cannot
         read as HF values are left out."""
+
+
+def engine_weights(config: RunConfig, model: ModelFootprint, merges: bool) -> tuple[Part, Part]:
+    """An engine's weights in `rollout.dtype` and their merge residual, per tensor-parallel rank (no residual when
+    updates come as full resyncs)."""
+    residual = residual_bytes(config.sync.residual, config.rollout.dtype) if merges else 0
+    tp = config.rollout.gpus_per_engine
+    weights = getattr(torch, config.rollout.dtype).itemsize * model.params / tp
+    return Part("weights", weights), Part("residual", residual * model.target_params / tp)
+
+
+def resync_split(model: ModelFootprint) -> Part:
+    """A full resync splits each weight's fp32 master into bf16 and tail with int32 temporaries."""
+    return Part("resync split", 16 * max(d_out * k_in for d_out, k_in in model.targets), SYNCING)

@@ -7,7 +7,9 @@ a full resync loads the trainer's fp32 master state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,13 +17,27 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from logra_rl.config import RunConfig
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
+from logra_rl.models.footprint import GENERATING, Lengths, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
-from logra_rl.rollout.base import Completion, EngineSpec, MergeMode, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.rollout.base import (
+    Completion,
+    EngineSpec,
+    MergeMode,
+    RolloutEngine,
+    SamplingParams,
+    SyncResult,
+    engine_weights,
+    resync_split,
+)
 from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
+
+if TYPE_CHECKING:
+    from logra_rl.orchestration.memory_plan import Machine
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
 
@@ -59,6 +75,30 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 class HFEngine(RolloutEngine):
+    @staticmethod
+    def memory(
+        config: RunConfig, model: ModelFootprint, lengths: Lengths, machine: Machine, merges: bool
+    ) -> tuple[list[Part], list[str]]:
+        """Its weights and residual; while generating, a generate batch's KV cache and sampling logits, and the
+        prefill's peak: the batch's prompts go through one layer at a time, that layer's intermediates."""
+        weights, residual = engine_weights(config, model, merges)
+        dtype = getattr(torch, config.rollout.dtype).itemsize
+        # a step's (or an eval's) share of the rows, at most one generate batch
+        train = config.trainer.prompts_per_step * config.rollout.n
+        evaluation = (config.data.eval_size or 0) * config.eval.samples if config.eval.every else 0
+        rows = min(GENERATE_BATCH_ROWS, math.ceil(max(train, evaluation) / config.rollout.num_engines))
+        prefill = rows * lengths.prompt * model.saved_frozen * dtype / model.compute_bytes
+        parts = [
+            weights,
+            residual,
+            Part("KV cache", rows * lengths.sequence * model.kv_bytes_per_token(dtype), GENERATING),
+            Part("logits", 3 * 4 * rows * model.vocab, GENERATING),
+            Part("prefill", prefill, GENERATING),
+        ]
+        if residual.nbytes:
+            parts.append(resync_split(model))
+        return parts, []
+
     def __init__(self, spec: EngineSpec) -> None:
         self.device = resolve_device(spec.device)
         transformers.logging.disable_progress_bar()
@@ -126,9 +166,9 @@ class HFEngine(RolloutEngine):
             completions.append(Completion(prompt, tokens[:length], token_logprobs[:length], finished))
         return completions
 
-    def apply_payload(self, payload: bytes) -> SyncResult:
-        """Any failure (refusal, bad bytes, an error mid-merge) is reported, never raised: the weight sync
-        answers it with a full resync."""
+    def apply_payload(self, payload: np.ndarray) -> SyncResult:
+        """Parsed straight from the object store (one copy, into the factors' storage). Any failure (refusal,
+        bad bytes, an error mid-merge) is reported, never raised: the weight sync answers it with a full resync."""
         try:
             self.merger.apply(UpdatePayload.from_bytes(payload, pin_memory=self.device.type == "cuda"))
         except Exception as error:
@@ -151,6 +191,6 @@ class HFEngine(RolloutEngine):
         return SyncResult(applied=True, version=self.version)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The targeted weights at (rows, cols), as float32: the drift probe."""
+        """The targeted weights at (rows, cols), as float32: the drift check."""
         targets = self.merger.targets
         return {name: targets[name].weight[rows, cols].float().cpu() for name, (rows, cols) in coordinates.items()}

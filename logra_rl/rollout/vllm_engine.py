@@ -5,23 +5,44 @@ engine runs in-process in its Ray actor (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as
 processed log-probs (temperature applied, as the trainer computes them), and drives the
 `LograWorkerExtension` on every worker with one `collective_rpc` per update. After every
 applied payload or resync the prefix cache is reset: cached KV was computed by older weights.
+
+A payload reaches the workers as Ray delivered it, a read-only view of the object store: with one TP
+worker (in this process) it is parsed from there; several TP workers (vLLM's multiprocessing executor)
+each receive a copy through vLLM's broadcast queue.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from logra_rl.rollout.base import Completion, EngineSpec, MergeMode, RolloutEngine, SamplingParams, SyncResult
+from logra_rl.config import RunConfig
+from logra_rl.models.footprint import Lengths, ModelFootprint, Part
+from logra_rl.rollout.base import (
+    Completion,
+    EngineSpec,
+    MergeMode,
+    RolloutEngine,
+    SamplingParams,
+    SyncResult,
+    engine_weights,
+    resync_split,
+)
 from logra_rl.rollout.resync import bucket_tensors
-from logra_rl.utils.memory import release_free_memory
+from logra_rl.utils.memory import GIB, release_free_memory
 from logra_rl.utils.shards import combine_shards
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
 ENGINE_INDEX = "LOGRA_ENGINE_INDEX"  # set by RolloutGroup in each engine actor's environment
+MAX_NUM_SEQS = 256  # sequences vLLM decodes together (its default; sizes the CPU KV cache)
+VLLM_ACTIVATION_GIB = 1.5  # vLLM's profiled activation peak and CUDA graphs, per GPU (a rough allowance)
+
+if TYPE_CHECKING:
+    from logra_rl.orchestration.memory_plan import Machine
 
 
 def engine_cache_root(index: int, environ: Mapping[str, str]) -> str:
@@ -56,10 +77,46 @@ def cpu_kv_cache_gib(per_token: int, max_model_len: int, max_num_seqs: int, max_
     """KV cache for `max_num_seqs` sequences of `max_model_len` tokens of `per_token` bytes on one CPU TP worker,
     in whole GiB (at least 1, at most `max_gib`; vLLM's CPU default is a share of the host instead)."""
     need = per_token * max_model_len * max_num_seqs
-    return int(min(max_gib, max(1, -(-need // 2**30))))
+    return int(min(max_gib, max(1, -(-need // GIB))))
 
 
 class VLLMEngine(RolloutEngine):
+    @staticmethod
+    def memory(
+        config: RunConfig, model: ModelFootprint, lengths: Lengths, machine: Machine, merges: bool
+    ) -> tuple[list[Part], list[str]]:
+        """On a GPU vLLM takes `gpu_memory_utilization` of it for weights, activations and KV cache, and the
+        residual lives beside it; on a CPU its packed weights sit beside HF-layout shadows of the targets (the
+        merges' copies) and a KV cache sized by `cpu_kv_cache_gib`."""
+        rollout = config.rollout
+        dtype, tp = getattr(torch, rollout.dtype).itemsize, rollout.gpus_per_engine
+        weights, residual = engine_weights(config, model, merges)
+        if not machine.cuda:
+            max_model_len = EngineSpec.from_config(config, "").max_model_len
+            kv_gib = cpu_kv_cache_gib(model.kv_bytes_per_token(dtype, tp), max_model_len, MAX_NUM_SEQS)
+            shadow = dtype * model.target_params if merges else 0
+            parts = [weights, residual, Part("shadow targets", shadow), Part("KV cache", tp * kv_gib * GIB)]
+            if residual.nbytes:
+                parts.append(resync_split(model))
+            return parts, []
+        kv = rollout.gpu_memory_utilization * (machine.gpu or 80 * GIB) - weights.nbytes - VLLM_ACTIVATION_GIB * GIB
+        parts = [weights, residual, Part("KV cache (vLLM's share)", max(kv, 0.0))]
+        parts.append(Part("vLLM activations", VLLM_ACTIVATION_GIB * GIB))
+        tokens, sequence = kv / model.kv_bytes_per_token(dtype, tp), lengths.sequence
+        notes = [
+            f"each vLLM engine: KV cache for about {kv / GIB:.1f} GiB per GPU = {tokens:,.0f} tokens "
+            f"({tokens / sequence:.1f} sequences of {sequence}); the {config.sync.residual} residual takes "
+            f"{residual.nbytes / GIB:.1f} GiB per GPU beside vLLM's {rollout.gpu_memory_utilization:g}"
+        ]
+        if machine.gpu is None:
+            notes.append("vLLM's KV cache assumed of an 80 GiB GPU: set cluster.gpu_memory_gib to plan another")
+        if kv <= 0:
+            notes.append(
+                f"vLLM's share ({rollout.gpu_memory_utilization:g} of the GPU) does not hold the weights: raise "
+                "rollout.gpu_memory_utilization or rollout.gpus_per_engine"
+            )
+        return parts, notes
+
     def __init__(self, spec: EngineSpec) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # a RolloutGroup engine's own compile cache; popped, so a second engine in this process nests no deeper
@@ -75,7 +132,7 @@ class VLLMEngine(RolloutEngine):
         cpu = {}
         if not torch.cuda.is_available():
             # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
-            kv_gib = cpu_kv_cache_gib(kv_bytes_per_token(spec), spec.max_model_len, spec.max_num_seqs)
+            kv_gib = cpu_kv_cache_gib(kv_bytes_per_token(spec), spec.max_model_len, MAX_NUM_SEQS)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
             # vLLM rewinds a seeded request's generator when it drops the token sampled for a partly prefilled
             # (chunked) prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset"). With
@@ -97,7 +154,7 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=spec.gpu_memory_utilization,
                 max_model_len=spec.max_model_len,
                 seed=spec.seed,
-                max_num_seqs=spec.max_num_seqs,
+                max_num_seqs=MAX_NUM_SEQS,
                 enforce_eager=not torch.cuda.is_available(),
                 worker_extension_cls=EXTENSION,
                 logprobs_mode="processed_logprobs",
@@ -105,7 +162,7 @@ class VLLMEngine(RolloutEngine):
         modes = self.llm.collective_rpc(
             "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows)
         )
-        self.mode = MergeMode(modes[0]["mode"], modes[0]["refusal"])
+        self.mode = modes[0]  # every TP worker decides from the same layout
         print(f"[logra vLLM engine] LoGRA merges: {self.mode.mode} {self.mode.reason}".rstrip(), flush=True)
 
     def merge_mode(self) -> MergeMode:
@@ -137,17 +194,13 @@ class VLLMEngine(RolloutEngine):
         return completions
 
     def _sync(self, method: str, *args) -> SyncResult:
-        results = self.llm.collective_rpc(method, args=args)
+        """The TP workers' answer: the first refusal (each worker's merger gates itself), else rank 0's."""
+        results: list[SyncResult] = self.llm.collective_rpc(method, args=args)
         self.llm.reset_prefix_cache()
-        failed = [r for r in results if not r["applied"]]
-        versions = {r["version"] for r in results}
-        if failed or len(versions) != 1:
-            reason = failed[0]["reason"] if failed else f"ranks disagree on the version: {sorted(versions)}"
-            return SyncResult(applied=False, version=min(versions), reason=reason)
-        return SyncResult(applied=True, version=versions.pop())
+        return next((r for r in results if not r.applied), results[0])
 
-    def apply_payload(self, payload: bytes) -> SyncResult:
-        return self._sync("logra_apply", payload)  # as Ray delivered it: each TP worker parses it once
+    def apply_payload(self, payload: np.ndarray) -> SyncResult:
+        return self._sync("logra_apply", payload)
 
     def load_weights(
         self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1

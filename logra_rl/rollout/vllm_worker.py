@@ -2,7 +2,8 @@
 
 vLLM appends this class to its Worker's bases in each worker process, so `self` is the worker;
 methods carry a `logra_` prefix because vLLM refuses names that clash with its own. The engine
-calls them through `LLM.collective_rpc` (one call per update, on every TP rank).
+calls them through `LLM.collective_rpc` (one call per update, on every TP rank); each answers the
+engine's own types (`MergeMode`, `SyncResult`).
 
 Three modes, chosen at start-up:
 - in place (GPU): each HF target is a row block of a fused / TP-sharded vLLM parameter
@@ -23,6 +24,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from logra_rl.logra import (
@@ -34,6 +36,7 @@ from logra_rl.logra import (
     hf_targets,
 )
 from logra_rl.logra.merge import new_residual
+from logra_rl.rollout.base import MergeMode, SyncResult
 from logra_rl.rollout.resync import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 from logra_rl.utils.memory import release_free_memory
@@ -133,7 +136,7 @@ def in_place_targets(
 class LograWorkerExtension:
     """Methods vLLM adds to its Worker; state lives in `logra_*` attributes."""
 
-    def logra_init(self, target_modules: list[str], residual: str, chunk_rows: int) -> dict[str, Any]:
+    def logra_init(self, target_modules: list[str], residual: str, chunk_rows: int) -> MergeMode:
         model = self.model_runner.get_model()
         twin = _hf_twin(self.model_config.hf_config)
         shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
@@ -158,27 +161,26 @@ class LograWorkerExtension:
             logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", self.logra_refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
         self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict().keys() - tied_duplicates(twin))
-        return {"mode": self.logra_mode, "targets": len(targets), "refusal": self.logra_refusal}
+        return MergeMode(self.logra_mode, self.logra_refusal)
 
-    def logra_apply(self, payload: bytes) -> dict[str, Any]:
+    def logra_apply(self, payload: np.ndarray) -> SyncResult:
+        """Merge a payload (its bytes, parsed here with one copy into the factors' storage); the merger's
+        version gate decides, and a refusal or failure is answered, never raised."""
         if self.logra_mode == "resync":
-            return {"applied": False, "version": self.logra_merger.version, "reason": self.logra_refusal}
+            return SyncResult(applied=False, version=self.logra_merger.version, reason=self.logra_refusal)
         try:
             with torch.inference_mode():
                 self.logra_merger.apply(UpdatePayload.from_bytes(payload, pin_memory=torch.cuda.is_available()))
             if self.logra_mode == "shadow":
                 self._logra_push_shadow()
         except Exception as error:
-            return {
-                "applied": False,
-                "version": self.logra_merger.version,
-                "reason": f"{type(error).__name__}: {error}",
-            }
+            reason = f"{type(error).__name__}: {error}"
+            return SyncResult(applied=False, version=self.logra_merger.version, reason=reason)
         finally:
             release_free_memory()
-        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
+        return SyncResult(applied=True, version=self.logra_merger.version)
 
-    def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> dict[str, Any]:
+    def logra_load(self, state: dict[str, torch.Tensor], version: int, bucket: int, buckets: int) -> SyncResult:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's HF-named fp32 state: its weights,
         then exact residuals; the last bucket sets `version` once every weight has arrived."""
         # Cast here, not in vLLM: its loader warns once per weight on a float32 -> bfloat16 copy (the same
@@ -190,7 +192,7 @@ class LograWorkerExtension:
             self.logra_resync.receive(state, version, bucket, buckets)
         del cast
         release_free_memory()
-        return {"applied": True, "version": self.logra_merger.version, "reason": ""}
+        return SyncResult(applied=True, version=self.logra_merger.version)
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them);

@@ -7,16 +7,38 @@ of updates committed so far, checkpointed with the optimizer), its metrics (only
 - `LowRankPayloads`: LoGRA committed one update per payload, in order (several with PPO epochs);
 - `FullResync`: dense AdamW or LoRA moved every trained weight; the engines need bf16(master) in full;
 - `NoChange`: every update of the step was skipped; no weight moved, nothing is sent.
+
+An update rule answers the same type for one update, its payload the committed `UpdatePayload`; the
+step's answer carries each payload as a `PayloadRef` instead, left in Ray's object store by train rank 0:
+the driver hands the reference on to the engines and never holds the bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import ray
+
+P = TypeVar("P")  # how a payload travels: an UpdatePayload inside a worker, a PayloadRef beyond it
 
 
 @dataclass(frozen=True)
-class LowRankPayloads:
-    payloads: tuple[bytes, ...]  # UpdatePayload.to_bytes(), each version-gated on the engines
+class PayloadRef:
+    """One payload's bytes (`UpdatePayload.to_bytes()`, as a uint8 array) in Ray's object store, and what the
+    driver records of it without reading it. Train rank 0 put it there and owns it: the object lives while
+    that actor does and the driver holds this reference (until every engine has applied it)."""
+
+    ref: ray.ObjectRef
+    nbytes: int
+    base_version: int  # the policy version the payload applies to
+    new_version: int
+
+
+@dataclass(frozen=True)
+class LowRankPayloads(Generic[P]):
+    payloads: tuple[P, ...]  # in order, each version-gated on the engines
 
 
 @dataclass(frozen=True)
@@ -29,14 +51,14 @@ class NoChange:
     reason: str
 
 
-WeightUpdate = LowRankPayloads | FullResync | NoChange
+WeightUpdate = LowRankPayloads[P] | FullResync | NoChange
 
 
 @dataclass(frozen=True)
 class StepResult:
     policy_version: int
     metrics: dict[str, float]
-    update: WeightUpdate
+    update: WeightUpdate[PayloadRef]
 
 
 @dataclass(frozen=True)

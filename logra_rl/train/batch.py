@@ -21,7 +21,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # (B, L) float
     rollout_logprobs: torch.Tensor  # (B, L) float
     advantages: torch.Tensor  # (B,) float
-    completed: torch.Tensor  # (B,) bool: the response ended with end-of-turn
+    finished: torch.Tensor  # (B,) bool: the response ended with end-of-turn (Completion.finished)
     old_logprobs: torch.Tensor | None = None  # (B, L): π at the start of the step, for PPO epochs
 
     def __len__(self) -> int:
@@ -68,5 +68,5 @@ def pack_batch(completions: Sequence[Completion], advantages: torch.Tensor, pad_
         attention_mask[i, : len(row)] = 1
         loss_mask[i, start : len(row)] = 1
         rollout_logprobs[i, start : len(row)] = torch.tensor(c.logprobs)
-    completed = torch.tensor([c.finished for c in completions])
-    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, advantages, completed)
+    finished = torch.tensor([c.finished for c in completions])
+    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, advantages, finished)

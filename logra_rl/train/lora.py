@@ -1,7 +1,7 @@
 """The LoRA baseline (`optimizer=lora`) through peft: adapters trained with AdamW, merged for the engines.
 
 The rollout engines receive merged weights W + scale·B·A by full resync after every update, so
-they run the plain model; the trainer's drift probe compares at the same merged values.
+they run the plain model; the trainer's drift check compares at the same merged values.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from logra_rl.logra import find_targets
 PEFT_PREFIX = "base_model.model."
 
 
-def add_lora(model: nn.Module, config: OptimizerConfig) -> PeftModel:
-    """Freeze `model` and wrap its target linears with rank-`lora_rank` adapters (fp32, no dropout).
+def add_lora(model: nn.Module, config: OptimizerConfig, target_modules: tuple[str, ...]) -> PeftModel:
+    """Freeze `model` and wrap its `target_modules` linears with rank-`lora_rank` adapters (fp32, no dropout).
 
     The adapters go on the modules `find_targets` picks, named in full: peft's own matching by the last name
     component would also wrap a multimodal model's vision tower."""
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
-        target_modules=[name for name, _ in find_targets(model, tuple(config.lora_targets))],
+        target_modules=[name for name, _ in find_targets(model, target_modules)],
         lora_dropout=0.0,
         bias="none",
     )

@@ -2,9 +2,10 @@
 
 A rule first prepares the fp32 model before it is sharded (`prepare_model`: which parameters train,
 LoRA adapters), then takes the accumulated backward (a token-sum loss) and `UpdateInputs`, and
-answers with its metrics and what changed: the committed `UpdatePayload` (LoGRA), `FullResync`
-(dense, LoRA: every trained weight moved) or `NoChange` (the update was skipped).
-`update_rule_class` is the only place that looks at `optimizer.name`.
+answers with its metrics and what changed, a `WeightUpdate`: the committed `UpdatePayload` (LoGRA),
+`FullResync` (dense, LoRA: every trained weight moved) or `NoChange` (the update was skipped).
+`UPDATE_RULES` names the rules (`optimizer.name`'s choices), and each says what it holds (`memory`: the
+memory plan's train-rank state, KL probe and payload).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from logra_rl.config import OptimizerConfig, RunConfig
 from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload, logits_kl, masked_logits, reduced_mean_kl
-from logra_rl.train.api import FullResync, NoChange
+from logra_rl.models.footprint import TRAINING, ModelFootprint, Part
+from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
 from logra_rl.train.lora import add_lora
 from logra_rl.utils.checkpoint import UPDATE_STATE
 from logra_rl.utils.shards import full_tensor
@@ -51,16 +53,39 @@ class UpdateInputs:
 
     step: int
     num_tokens: float  # loss tokens over all ranks
-    mismatch_sum: float  # Σ log π_rollout − log π_train over completed responses' tokens (0 after epoch 0)
+    mismatch_sum: float  # Σ log π_rollout − log π_train over finished responses' tokens (0 after epoch 0)
     mismatch_tokens: int
     probe: Callable[[], KLProbe]  # built only by a rule that measures KL (LoGRA; dense and LoRA with measure_kl)
 
 
-Outcome = UpdatePayload | FullResync | NoChange
+@dataclass(frozen=True)
+class RuleMemory:
+    """What an update rule holds on each train rank, and what its updates carry, for the memory plan."""
+
+    state: tuple[Part, ...]  # its optimizer state and the transients of building an update
+    saved_per_token: float  # bytes a decoder layer keeps for backward per token, as the rule trains it
+    probe: tuple[Part, ...]  # what measuring an update's KL holds
+    payload: float = 0.0  # bytes of one update's payload, which the engines merge in place (0: full resyncs)
+
+
+MemoryCut = tuple[str, dict[str, dict[str, object]]]  # (an override, the config groups' values it changes)
 
 
 class UpdateRule(Protocol):
+    memory_lean: ClassVar[bool]  # the memory plan suggests this rule to a run that does not fit
+    sends_payloads: ClassVar[bool]  # its updates reach the engines as payloads merged in place (else full resyncs)
+    lr_schedule: ClassVar[bool]  # it follows optimizer.lr's warm-up + cosine schedule (cli warns when it is cut short)
+
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None: ...
+
+    @staticmethod
+    def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
+        """What the rule holds on a train rank for `model` (its sizes in the compute dtype), sequences of at most
+        `sequence` tokens, on a GPU node when `cuda`."""
+
+    @staticmethod
+    def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
+        """Changes of the rule's own settings that make it hold less (the plan's suggestions)."""
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -70,7 +95,7 @@ class UpdateRule(Protocol):
     def version(self) -> int:
         """Updates committed so far: the policy version."""
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]: ...
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]: ...
 
     def save(self, directory: Path) -> None: ...
 
@@ -78,7 +103,7 @@ class UpdateRule(Protocol):
 
 
 def update_rule_class(config: RunConfig) -> type[UpdateRule]:
-    return {"logra": LoGRAUpdate, "dense": DenseUpdate, "lora": LoRAUpdate}[config.optimizer.name]
+    return UPDATE_RULES[config.optimizer.name]
 
 
 def _is_rank0() -> bool:
@@ -102,6 +127,10 @@ class DenseUpdate:
     gradient is rescaled by world_size / global tokens (gloo has no pre-scaled sum to do it inside).
     """
 
+    memory_lean = False
+    sends_payloads = False
+    lr_schedule = True
+
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
         self.config = config.optimizer
         self.world_size = world_size
@@ -114,8 +143,31 @@ class DenseUpdate:
             weight_decay=self.config.weight_decay,
         )
         self.model = model
-        self.update_count = 0
+        self.policy_version = 0
         self.temperature = config.rollout.temperature
+
+    @staticmethod
+    def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
+        ranks = config.cluster.train_workers
+        state = (
+            Part("Adam moments", 8 * model.params / ranks),
+            Part("gradients", 4 * model.params / ranks + 2 * 4 * model.layer_params, TRAINING),
+        )
+        return RuleMemory(state, model.saved_trainable, DenseUpdate.probe_memory(config, model, cuda))
+
+    @staticmethod
+    def probe_memory(config: RunConfig, model: ModelFootprint, cuda: bool) -> tuple[Part, ...]:
+        """With `measure_kl`, the policy's logits before the step at the probe rows' generated-token predictions,
+        in fp32 (on the host on a GPU node); the no-grad forwards run once the backward's activations are freed."""
+        if not config.optimizer.measure_kl:
+            return ()
+        kl = config.logra.kl
+        kept = 4 * kl.probe_responses * min(config.data.max_response_length, kl.probe_max_tokens) * model.vocab
+        return (Part("KL probe logits", kept, TRAINING, on_host=cuda),)
+
+    @staticmethod
+    def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
+        return ()
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -123,16 +175,16 @@ class DenseUpdate:
 
     @property
     def version(self) -> int:
-        return self.update_count
+        return self.policy_version
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]:
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
         lr = self.config.lr * dense_lr_factor(inputs.step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:
             grad.mul_(self.world_size / inputs.num_tokens)
         grad_norm = float(full_tensor(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
-        metrics = {"actor/lr": lr, "actor/grad_norm": grad_norm, "actor/skipped": float(skipped)}
+        metrics = {"train/lr": lr, "train/grad_norm": grad_norm, "train/skipped": float(skipped)}
         if not skipped:
             probe = inputs.probe() if self.config.measure_kl else None
             if probe:
@@ -143,7 +195,7 @@ class DenseUpdate:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            self.update_count += 1
+            self.policy_version += 1
             if probe:
                 start = time.perf_counter()
                 metrics |= self._realized_kl(probe, before)
@@ -168,12 +220,12 @@ class DenseUpdate:
                 self.model.reshard()
 
     def _realized_kl(self, probe: KLProbe, before: list[torch.Tensor]) -> dict[str, float]:
-        """`actor/kl_realized` of the step just taken, or nothing when the probe could not measure it (no
+        """`train/kl_realized` of the step just taken, or nothing when the probe could not measure it (no
         generated token, a non-finite KL): the step stands either way, only its measurement is missing."""
         with self._probe_pass(probe) as after:
             total, count = logits_kl(before, after, self.temperature, probe.input_ids.device)
         try:
-            return {"actor/kl_realized": reduced_mean_kl(total, count)}  # all-reduced: every rank agrees
+            return {"train/kl_realized": reduced_mean_kl(total, count)}  # all-reduced: every rank agrees
         except (ProbeError, FloatingPointError):
             return {}
 
@@ -183,23 +235,33 @@ class DenseUpdate:
             {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=directory / "optimizer"
         )
         if _is_rank0():
-            torch.save({"update_count": self.update_count}, directory / UPDATE_STATE)
+            torch.save({"policy_version": self.policy_version}, directory / UPDATE_STATE)
 
     def load(self, directory: Path) -> None:
         state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         dcp.load(state, checkpoint_id=directory / "optimizer")
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.update_count = torch.load(directory / UPDATE_STATE, weights_only=True)["update_count"]
+        state = torch.load(directory / UPDATE_STATE, weights_only=True)
+        self.policy_version = state.get("policy_version", state.get("update_count"))  # older checkpoints: update_count
 
 
 class LoRAUpdate(DenseUpdate):
     """The dense rule over peft LoRA adapters (seeded by `trainer.seed`); the base weights stay frozen."""
 
     @staticmethod
+    def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
+        """Adapters with AdamW's moments; backward keeps the adapters' inputs and the rank-wide middle."""
+        ranks, rank = config.cluster.train_workers, config.optimizer.lora_rank
+        adapters = sum(rank * (d_out + k_in) for d_out, k_in in model.targets)
+        state = (Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING))
+        saved = model.saved_trainable + model.compute_bytes * (len(model.targets) / model.layers) * rank
+        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, cuda))
+
+    @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
         model.requires_grad_(False)
         torch.manual_seed(config.trainer.seed)
-        return add_lora(model, config.optimizer)
+        return add_lora(model, config.optimizer, config.model.target_modules)
 
 
 class LoGRAUpdate:
@@ -211,10 +273,43 @@ class LoGRAUpdate:
     update is discarded and nothing changes, on the trainer or the engines.
     """
 
+    memory_lean = True  # sketches instead of gradients and moments
+    sends_payloads = True
+    lr_schedule = False  # its step size is the KL budget's
+
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
         self.optimizer = LoGRAOptimizer(model, config.logra)
         self.model = model
         self.temperature = config.rollout.temperature
+
+    @staticmethod
+    def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
+        """Sketches (d_out × r) and projections (r × k_in) of every target on every rank, fp32, and row moments;
+        the prepared direction (d_out × r) while an update is built. Backward keeps x·Aᵀ (tokens × r) per target.
+
+        The KL probe runs `probe_responses` whole rows without gradients, one layer's intermediates at a time,
+        their final hidden states kept for the stepped pass. The JVP estimator also carries a tangent for each,
+        and its attention runs on SDPA's math backend (no fused kernel has a forward-AD rule): scores,
+        probabilities and their tangents, rows × heads × length² for one layer at a time."""
+        rank, c = config.logra.rank, model.compute_bytes
+        state = 4 * rank * (model.target_rows + model.target_cols) + 4 * model.target_rows
+        saved = model.saved_frozen + c * (len(model.targets) / model.layers) * rank
+        kl = config.logra.kl
+        rows, length = kl.probe_responses, min(sequence, kl.probe_max_tokens)
+        probe = rows * length * (model.saved_frozen + 2 * model.hidden * c)
+        if kl.estimator == "jvp":
+            probe = 2 * probe + 4 * rows * model.heads * length**2 * c
+        return RuleMemory(
+            state=(Part("LoGRA state", state), Part("LoGRA update", 4 * rank * model.target_rows, TRAINING)),
+            saved_per_token=saved,
+            probe=(Part("KL probe", probe, TRAINING),),
+            payload=rank * model.target_rows * getattr(torch, config.logra.wire_dtype).itemsize,
+        )
+
+    @staticmethod
+    def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
+        rank = config.logra.rank
+        return ((f"logra.rank={rank // 2}", {"logra": {"rank": rank // 2}}),) if rank >= 16 else ()
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -222,26 +317,26 @@ class LoGRAUpdate:
 
     @property
     def version(self) -> int:
-        return self.optimizer.update_count
+        return self.optimizer.policy_version
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], Outcome]:
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
         opt = self.optimizer
         try:
             sketch_norm = opt.prepare(num_tokens=inputs.num_tokens)
         except FloatingPointError as error:
             opt.zero_sketches()
-            return {"actor/skipped": 1.0}, NoChange(str(error))
+            return {"train/skipped": 1.0}, NoChange(str(error))
         probe = inputs.probe()
         start = time.perf_counter()
         self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            budget = opt.kl_controller.step_budget(opt.update_count, inputs.mismatch_sum, inputs.mismatch_tokens)
+            budget = opt.kl_controller.step_budget(opt.policy_version, inputs.mismatch_sum, inputs.mismatch_tokens)
             step = opt.guarded_step(
                 probe.forward, probe.input_ids, probe.loss_mask, self.temperature, budget, probe.head
             )
         except (FloatingPointError, ProbeError) as error:
             opt.discard()
-            return {"actor/skipped": 1.0}, NoChange(str(error))
+            return {"train/skipped": 1.0}, NoChange(str(error))
         finally:
             self.model.train()
         metrics = {
@@ -259,16 +354,16 @@ class LoGRAUpdate:
             metrics["logra/kl_realized_over_predicted"] = step.calibration
         if not step.accepted:
             opt.discard()
-            return {**metrics, "actor/skipped": 1.0}, NoChange(step.refusal())
+            return {**metrics, "train/skipped": 1.0}, NoChange(step.refusal())
         payload = opt.commit(step.alpha)
         metrics |= {
             "logra/alpha": step.alpha,
             "logra/kl_predicted": step.predicted,
-            "actor/kl_realized": step.kl,
+            "train/kl_realized": step.kl,
             "logra/update_ratio": opt.config.update_ratio * step.alpha,
-            "actor/skipped": 0.0,
+            "train/skipped": 0.0,
         }
-        return metrics, payload
+        return metrics, LowRankPayloads((payload,))
 
     def save(self, directory: Path) -> None:
         if _is_rank0():
@@ -276,3 +371,6 @@ class LoGRAUpdate:
 
     def load(self, directory: Path) -> None:
         self.optimizer.load_state_dict(torch.load(directory / UPDATE_STATE, weights_only=True))
+
+
+UPDATE_RULES: dict[str, type[UpdateRule]] = {"logra": LoGRAUpdate, "dense": DenseUpdate, "lora": LoRAUpdate}

@@ -3,13 +3,14 @@
 The driver reaches the group through `orchestration.train_group.TrainGroup`, which calls every worker
 in lock-step (each call is a collective): `setup`, then per step `train_step` (this rank's shard of
 the batch → a `StepResult`), and when asked `resync_bucket` / `weights_at` (the weight sync and its
-drift probe) and `save` / `load` (checkpoints). Sums over ranks are all-reduced here, inside the group.
+drift check, answered by `weight_export.WeightExport`) and `save` / `load` (checkpoints). Sums over ranks
+are all-reduced here, inside the group.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -28,31 +29,29 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import UpdatePayload, decoder_layers
+from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
+from logra_rl.rl.logprobs import logprob_chunk
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
 from logra_rl.train.batch import TrainBatch
-from logra_rl.train.lora import is_adapter, lora_layers, merged_state
-from logra_rl.train.optimizers import KLProbe, Outcome, UpdateInputs, update_rule_class
-from logra_rl.utils.device import resolve_device
-from logra_rl.utils.memory import peak_rss_bytes, release_free_memory, rss_bytes
-from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
-from logra_rl.utils.state_dict import tied_duplicates
+from logra_rl.train.lora import lora_layers
+from logra_rl.train.optimizers import KLProbe, UpdateInputs, update_rule_class
+from logra_rl.train.weight_export import WeightExport
+from logra_rl.utils.device import compute_dtype, resolve_device
+from logra_rl.utils.memory import GIB, peak_rss_bytes, release_free_memory, rss_bytes
 from logra_rl.utils.timing import Timer
 
 if TYPE_CHECKING:
     import ray
 
-GIB = 2**30
-LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
-ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts of one LoRA-wrapped module
 # Rank 0 reads the whole checkpoint while the other ranks wait in the first broadcast: allow for a
 # 27B fp32 load from slow storage (NCCL's default is 10 minutes).
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
 # Per-token sums of one backward pass, all-reduced over the group in this order.
 SUMS = ("tokens", "loss", "is_ratio", "is_truncated", "clipped", "mismatch_all", "mismatch", "mismatch_tokens")
 SUMMED_OVER_EPOCHS = (
-    "actor/skipped",
+    "train/skipped",
     "logra/line_search_tries",
     "logra/overshoot_refused",
     "timing_s/probe",
@@ -71,6 +70,17 @@ def aggregate_epochs(per_epoch: list[Mapping[str, float]]) -> dict[str, float]:
     return aggregated
 
 
+def step_update(updates: list[WeightUpdate[UpdatePayload]]) -> WeightUpdate[UpdatePayload]:
+    """One step's update from its epochs' (PPO): every committed payload in order, else a full resync if any
+    epoch moved every weight, else nothing."""
+    payloads = tuple(p for update in updates if isinstance(update, LowRankPayloads) for p in update.payloads)
+    if payloads:
+        return LowRankPayloads(payloads)
+    if any(isinstance(update, FullResync) for update in updates):
+        return FullResync()
+    return NoChange("; ".join(update.reason for update in updates))
+
+
 class TrainWorker:
     def __init__(self, config: RunConfig, model_path: str, rank: int, world_size: int) -> None:
         transformers.logging.disable_progress_bar()
@@ -82,6 +92,41 @@ class TrainWorker:
         self.temperature = config.rollout.temperature
         self.rule_class = update_rule_class(config)
         self.store: dist.TCPStore | None = None  # rank 0's rendezvous, bound by `address`
+
+    @staticmethod
+    def memory(
+        config: RunConfig, model: ModelFootprint, saved_per_token: float, sequence: int, cuda: bool
+    ) -> tuple[list[Part], list[Part], Part]:
+        """What a rank holds besides its update rule's state, for the memory plan: its resident parts, its
+        training transients, and rank 0's checkpoint copy while it loads. `saved_per_token`: the bytes one
+        decoder layer keeps for backward per token as the update rule trains it (`RuleMemory`)."""
+        ranks, c = config.cluster.train_workers, model.compute_bytes
+        # FSDP2 gathers a layer group into a flat buffer, then copies it out into the unsharded parameters: the
+        # root (embeddings, head) stays unsharded through forward and backward, one layer is computed while the
+        # next is gathered
+        gathered = c * (2 * model.root_params + 3 * model.layer_params)
+        rows = math.ceil(config.trainer.prompts_per_step * config.rollout.n / ranks)  # responses a step
+        # the largest microbatch: the token budget (or one whole sequence), or the rank's whole share when less
+        tokens = min(max(config.trainer.micro_batch_tokens, sequence), rows * sequence)
+        # backward needs every layer's saved tensors, or with activation checkpointing each layer's input plus
+        # one layer recomputed
+        if config.model.activation_checkpointing:
+            activations = tokens * (model.layers * model.hidden * c + saved_per_token)
+        else:
+            activations = tokens * model.layers * saved_per_token
+        # the response tokens' log-probs through the LM head in chunks (`rl.head_logprobs`): one chunk's logits
+        # in the compute dtype, as fp32 and scaled, and in backward their gradient (the last chunk is kept)
+        responses = min(tokens, rows * config.data.max_response_length)
+        logits = min(responses, logprob_chunk(model.vocab)) * model.vocab * (c + 3 * 4)
+        training = [
+            Part("unsharded weights", gathered, TRAINING),
+            Part("activations", activations, TRAINING),
+            Part("logits", logits, TRAINING),
+        ]
+        # rank 0 reads the whole checkpoint as fp32 into host memory while its shards exist, then broadcasts it;
+        # an fp32 checkpoint is memory-mapped (page cache, which the kernel reclaims), any other is converted
+        loaded = 0 if model.checkpoint_bytes == 4 else 4 * model.params
+        return [Part("weights", 4 * model.params / ranks)], training, Part("checkpoint copy", loaded, LOADING, cuda)
 
     def address(self, host: str | None = None) -> tuple[str, int]:
         """Where rank 0 serves the process group's rendezvous (called on rank 0 before `setup`), on `host` (default:
@@ -123,7 +168,7 @@ class TrainWorker:
             loaded = self._build(AutoModelForCausalLM.from_pretrained, self.model_path)
         with torch.device("meta"):
             model = self._build(AutoModelForCausalLM.from_config, AutoConfig.from_pretrained(self.model_path))
-        self.lora = lora_layers(model)  # empty unless the rule added adapters
+        lora = lora_layers(model)  # empty unless the rule added adapters
         self.model = self._shard(model)
         self.model.to_empty(device=self.device)
         self._receive_weights(loaded)
@@ -135,6 +180,8 @@ class TrainWorker:
         self.vocab = self.output_embeddings.weight.shape[0]
         self.logit_softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 and 3
         self.rule = self.rule_class(self.model, self.config, self.world_size)
+        scaling = self.config.optimizer.lora_scaling
+        self.export = WeightExport(self.model, lora, scaling, self.rank, self.world_size, self.device)
         self.model.train()
         return self.rule.version
 
@@ -167,9 +214,7 @@ class TrainWorker:
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        compute = self.config.model.compute_dtype
-        if compute == "auto":
-            compute = "bfloat16" if self.device.type == "cuda" else "float32"
+        compute = compute_dtype(self.config.model.compute_dtype, self.device.type == "cuda")
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         for layer in decoder_layers(base)[1]:  # Gemma 3's sit under model.language_model
@@ -180,18 +225,22 @@ class TrainWorker:
     # ---- the step ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
-        """Steps 3–6 on this rank's shard: one update per epoch (PPO), each from a fresh backward.
+        """Steps 3–6 on this rank's shard (`train`); rank 0 alone puts the payloads into Ray's object store, and
+        its result is the one `TrainGroup` reports for the group."""
+        metrics, update = self.train(batch, step)
+        return StepResult(policy_version=self.rule.version, metrics=metrics, update=self.export.publish(update))
 
-        Every rank computes the same update from all-reduced sketches or gradients; payload bytes are
-        serialised on rank 0 only, whose result `TrainGroup` reports for the group.
-        """
+    def train(self, batch: TrainBatch, step: int) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
+        """One update per epoch (PPO), each from a fresh backward: the step's metrics and its update, as objects
+        (Ray-free callers, the GPU check, read the payloads here). Every rank computes the same update from
+        all-reduced sketches or gradients."""
         algorithm = self.config.algorithm
         clipped = algorithm.clip_low is not None or algorithm.clip_high is not None
         timer = Timer()
         if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
             with timer("old_logprobs"):
                 batch = replace(batch, old_logprobs=self.logprobs(batch))
-        per_epoch, outcomes, first = [], [], {}
+        per_epoch, updates, first = [], [], {}
         for epoch in range(algorithm.epochs):
             sums = self._forward_backward(batch, timer)
             first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
@@ -203,36 +252,28 @@ class TrainWorker:
                 probe=lambda: self._probe(batch),
             )
             with timer("update"):
-                update_metrics, outcome = self.rule.update(inputs)
-            outcomes.append(outcome)
+                update_metrics, update = self.rule.update(inputs)
+            updates.append(update)
             tokens = max(sums["tokens"], 1)
             per_epoch.append(
                 {
-                    "actor/loss": sums["loss"] / tokens,
-                    "actor/is_ratio_mean": sums["is_ratio"] / tokens,
-                    "actor/is_truncated_frac": sums["is_truncated"] / tokens,
-                    "actor/clip_frac": sums["clipped"] / tokens,
-                    "actor/tokens": sums["tokens"],
+                    "train/loss": sums["loss"] / tokens,
+                    "train/is_ratio_mean": sums["is_ratio"] / tokens,
+                    "train/is_truncated_frac": sums["is_truncated"] / tokens,
+                    "train/clip_frac": sums["clipped"] / tokens,
+                    "train/tokens": sums["tokens"],
                     **update_metrics,
                 }
             )
-            if isinstance(outcome, NoChange):
+            if isinstance(update, NoChange):
                 break  # nothing moved: a further epoch would rebuild the same update from the same weights
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the probe's)
         release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)
-        metrics["rollout/logprob_diff_mean"] = first["mismatch_all"] / max(first["tokens"], 1)
+        metrics["train/mismatch"] = first["mismatch_all"] / max(first["tokens"], 1)
         metrics.update(self._memory_metrics())
         metrics.update(timer.seconds)
-        return StepResult(policy_version=self.rule.version, metrics=metrics, update=self._weight_update(outcomes))
-
-    def _weight_update(self, outcomes: list[Outcome]) -> WeightUpdate:
-        payloads = [o for o in outcomes if isinstance(o, UpdatePayload)]
-        if payloads:  # rank 0 serialises; the other ranks' identical copies would travel for nothing
-            return LowRankPayloads(tuple(p.to_bytes() for p in payloads) if self.rank == 0 else ())
-        if any(isinstance(o, FullResync) for o in outcomes):
-            return FullResync()
-        return NoChange("; ".join(o.reason for o in outcomes))
+        return metrics, step_update(updates)
 
     def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)
@@ -311,15 +352,15 @@ class TrainWorker:
             with timer("backward"):
                 loss.backward()
             mismatch = (rollout - logprobs.detach()) * mask
-            completed = micro.completed.to(self.device)[:, None]
+            finished = micro.finished.to(self.device)[:, None]
             sums["tokens"] += stats.tokens
             sums["loss"] += float(loss.detach())
             sums["is_ratio"] += stats.is_ratio_sum
             sums["is_truncated"] += stats.is_truncated
             sums["clipped"] += stats.clipped
             sums["mismatch_all"] += float(mismatch.sum())
-            sums["mismatch"] += float((mismatch * completed).sum())
-            sums["mismatch_tokens"] += float((mask * completed).sum())
+            sums["mismatch"] += float((mismatch * finished).sum())
+            sums["mismatch_tokens"] += float((mask * finished).sum())
         reduced = torch.tensor([sums[key] for key in SUMS], dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced)
         return dict(zip(SUMS, reduced.tolist(), strict=True))
@@ -354,76 +395,19 @@ class TrainWorker:
             "memory/train_peak_gib": float(largest_peak) / GIB,
         }
 
-    # ---- weights for the engines --------------------------------------------------------------------
+    # ---- weights for the engines (logra_rl.train.weight_export) ----------------------------------
 
     def resync_buckets(self, max_bytes: int) -> list[ResyncBucket]:
-        """The state dict's keys in buckets of about `max_bytes`, with the bytes each sends to an engine.
-
-        The buckets of a full resync. A decoder layer is never split, so a LoRA module travels with
-        its adapters; a larger group (an embedding) is a bucket of its own; a tied weight goes once.
-        """
-        groups: dict[str, list[str]] = {}
-        state = get_model_state_dict(self.model)
-        tied = tied_duplicates(self.model)
-        for key in (k for k in state if k not in tied):
-            layer = LAYER_KEY.match(key)
-            groups.setdefault(layer.group(1) if layer else ADAPTER_PART.sub("", key), []).append(key)
-        buckets: list[ResyncBucket] = []
-        for keys in groups.values():
-            sent = sum(state[k].numel() * state[k].element_size() for k in keys if not is_adapter(k))
-            if buckets and buckets[-1].nbytes + sent <= max_bytes:
-                buckets[-1] = ResyncBucket(buckets[-1].keys + tuple(keys), buckets[-1].nbytes + sent)
-            else:
-                buckets.append(ResyncBucket(tuple(keys), sent))
-        return buckets
-
-    def full_state(self, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor] | None:
-        """The full fp32 values of `keys` (default: the whole state dict) on rank 0's CPU, under HF names
-        with LoRA merged; None on the other ranks. A collective: every rank must ask for the same keys."""
-        state = get_model_state_dict(self.model)
-        full = {}
-        for key in keys if keys is not None else list(state):
-            value = full_tensor(state[key])
-            if self.rank == 0:
-                full[key] = value.detach().to("cpu", copy=True)
-        if self.rank != 0:
-            return None
-        if self.lora:
-            full = merged_state(full, self.config.optimizer.lora_scaling)
-        return full
+        return self.export.resync_buckets(max_bytes)
 
     def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
-        """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere) as numpy
-        arrays, which the engines read without a copy: the driver passes the reference on to the engines
-        and never holds the weights itself."""
-        import ray
+        return self.export.resync_bucket(keys)
 
-        state = self.full_state(keys)
-        return ray.put({k: v.numpy() for k, v in state.items()}) if state is not None else None
+    def full_state(self, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor] | None:
+        return self.export.full_state(keys)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), combined
-        over the group's row shards (a collective); every rank returns the full values."""
-        modules = dict(self.model.named_modules())
-        local = []
-        for name, (rows, cols) in coordinates.items():
-            lora = self.lora.get(name)
-            weight, offset = local_rows((lora.base_layer if lora else modules[name]).weight)
-            held = (rows >= offset) & (rows < offset + weight.shape[0])
-            values = torch.full(rows.shape, torch.nan)
-            rows_held, cols_held = rows[held] - offset, cols[held]
-            values[held] = weight.detach()[rows_held, cols_held].float().cpu()
-            if lora is not None:
-                b, _ = local_rows(lora.lora_B["default"].weight)
-                a = full_tensor(lora.lora_A["default"].weight)
-                update = (b.detach()[rows_held] * a.detach()[:, cols_held].t()).sum(dim=1)
-                values[held] += (lora.scaling["default"] * update).float().cpu()
-            local.append(values)
-        flat = torch.cat(local).to(self.device)
-        parts = [torch.empty_like(flat) for _ in range(self.world_size)]
-        dist.all_gather(parts, flat)
-        combined = combine_shards([part.cpu() for part in parts])
-        return dict(zip(coordinates, combined.split([len(v) for v in local]), strict=True))
+        return self.export.weights_at(coordinates)
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

@@ -28,7 +28,6 @@ RESUME_MAY_CHANGE = (
     "cluster.",
     "eval.",
     "trainer.total_steps",
-    "trainer.eval_every",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
     "trainer.resume",
@@ -43,9 +42,9 @@ RESUME_MAY_CHANGE = (
     "rollout.num_engines",
     "rollout.gpus_per_engine",
     "rollout.gpu_memory_utilization",
-    "rollout.resync_every",
-    "rollout.resync_bucket_mb",
-    "rollout.probe_coordinates",
+    "sync.resync_every",
+    "sync.bucket_mb",
+    "sync.drift_check_coordinates",
 )
 
 

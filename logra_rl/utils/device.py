@@ -13,3 +13,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("cluster.device=cuda but CUDA is not available in this worker; use cluster.device=auto")
     return torch.device(name, 0) if name == "cuda" else torch.device(name)
+
+
+def compute_dtype(configured: str, cuda: bool) -> str:
+    """`model.compute_dtype` with auto resolved: bf16 on a GPU, fp32 on a CPU (the master weights are fp32)."""
+    return ("bfloat16" if cuda else "float32") if configured == "auto" else configured

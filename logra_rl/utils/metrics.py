@@ -7,18 +7,46 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from logra_rl.config import LoggerConfig
+if TYPE_CHECKING:  # the config pulls in torch, which `logra-plot` (reading metric names from here) does not need
+    from logra_rl.config import LoggerConfig
+
+# Metrics renamed by issue 27 (and one before it), old name → name: records read back (a resumed run's
+# metrics.jsonl, `logra-plot` of an older run) are read under the current names; docs/training.md lists them.
+RENAMED_METRICS = {
+    "actor/loss": "train/loss",
+    "actor/is_ratio_mean": "train/is_ratio_mean",
+    "actor/is_truncated_frac": "train/is_truncated_frac",
+    "actor/clip_frac": "train/clip_frac",
+    "actor/tokens": "train/tokens",
+    "actor/skipped": "train/skipped",
+    "actor/kl_realized": "train/kl_realized",
+    "logra/kl_realized": "train/kl_realized",  # LoGRA's name for it before dense and LoRA logged it too
+    "actor/lr": "train/lr",
+    "actor/grad_norm": "train/grad_norm",
+    "rollout/logprob_diff_mean": "train/mismatch",
+    "sync/weight_max_abs_diff": "sync/drift",
+}
+
+
+def current_names(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with its metrics under their current names (RENAMED_METRICS); a current name present wins."""
+    renamed = {RENAMED_METRICS.get(key, key): value for key, value in record.items() if key not in RENAMED_METRICS}
+    for old, new in RENAMED_METRICS.items():
+        if old in record:
+            renamed.setdefault(new, record[old])
+    return renamed
+
 
 PROGRESS_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
     ("α", "logra/alpha", "{:.2f}"),
-    ("KL", "actor/kl_realized", "{:.1e}"),
+    ("KL", "train/kl_realized", "{:.1e}"),
     ("step", "timing_s/step", "{:.2f}s"),
 )
 SUMMARY_KEYS = (
@@ -26,11 +54,11 @@ SUMMARY_KEYS = (
     "eval/{task}/pass@1",
     "logra/alpha",
     "logra/kl_predicted",
-    "actor/kl_realized",
+    "train/kl_realized",
     "logra/kl_budget",
     "logra/line_search_tries",
     "sync/payload_bytes",
-    "sync/weight_max_abs_diff",
+    "sync/drift",
     "memory/train_peak_gib",
     "timing_s/step",
 )
@@ -80,11 +108,12 @@ class MetricsLogger:
         self.history = [record for record in self.history if record["step"] < step]
 
     def _truncate_after(self, step: int) -> None:
-        """Keep only records of steps before `step`: a resumed run rewrites what came after its checkpoint."""
+        """Keep only records of steps before `step`: a resumed run rewrites what came after its checkpoint, and
+        the records it keeps are written under the current metric names (a run resumed across a rename)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) < step]
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        kept = [json.loads(line) for line in self.path.read_text().splitlines() if _step_of(line) < step]
+        self.path.write_text("".join(json.dumps(current_names(record)) + "\n" for record in kept))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

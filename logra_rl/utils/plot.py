@@ -19,9 +19,10 @@ import matplotlib.pyplot as plt  # after choosing the headless backend
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from logra_rl.utils.metrics import current_names
+
 DASH = "—"
-KL_REALIZED, KL_PREDICTED, KL_BUDGET = "actor/kl_realized", "logra/kl_predicted", "logra/kl_budget"
-OLD_KL_REALIZED = "logra/kl_realized"  # LoGRA's name for it before dense and LoRA logged it too
+KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted", "logra/kl_budget"
 REFUSED = "logra/overshoot_refused"
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
@@ -365,22 +366,22 @@ def _read_records(metrics: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{metrics} line {number} is not JSON ({error.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
             raise ValueError(f"{metrics} line {number} is not a metrics record (a JSON object with a 'step' key)")
-        if OLD_KL_REALIZED in record and KL_REALIZED not in record:  # a run from before every rule logged it
-            record[KL_REALIZED] = record.pop(OLD_KL_REALIZED)
-        records.append(record)
+        records.append(current_names(record))  # an older run's metrics under today's names
     return records
 
 
 def _read_config(path: Path) -> dict[str, Any]:
     """The resolved config.yaml, or {} without one: only the optimizer name, eval k, step count and the KL guard's
-    max_overshoot come from it."""
+    max_overshoot come from it (a run saved under old key names reads in the new ones)."""
+    from logra_rl.config import migrate_keys  # here: the config pulls in torch, which a plot does not need
+
     if not path.is_file():
         return {}
     try:
         config = OmegaConf.to_container(OmegaConf.load(path))
     except Exception as error:
         raise ValueError(f"{path} is not a readable YAML config ({error})") from None
-    return config if isinstance(config, dict) else {}
+    return migrate_keys(config)[0] if isinstance(config, dict) else {}
 
 
 def _max_overshoot(config: dict[str, Any]) -> float:
@@ -410,7 +411,7 @@ def _refused(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 
 def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[str | None, str | None]:
-    """The pass@1 and pass@k keys: k = rollout.eval_samples, the task from the keys (task.name may differ from
+    """The pass@1 and pass@k keys: k = eval.samples, the task from the keys (task.name may differ from
     data.task, e.g. for reasoning_gym), preferring data.task when several tasks were evaluated."""
     keys = {key for record in records for key in record if re.fullmatch(r"eval/.+/pass@\d+", key)}
     tasks = sorted({key.rsplit("/", 1)[0] for key in keys})
@@ -418,7 +419,7 @@ def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[s
         return None, None
     prefix = f"eval/{_get(config, 'data.task')}"
     prefix = prefix if prefix in tasks else tasks[0]
-    k = _get(config, "rollout.eval_samples")
+    k = _get(config, "eval.samples")
     ks = sorted(_k(key) for key in keys if key.startswith(f"{prefix}/pass@"))
     pass1 = f"{prefix}/pass@1" if 1 in ks else None
     passk = f"{prefix}/pass@{k}" if k in ks else f"{prefix}/pass@{ks[-1]}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 ROLLOUT_STREAM = 0  # the step's rollout sampling
-DRIFT_STREAM = 1  # the drift probe's weight coordinates
+DRIFT_STREAM = 1  # the drift check's weight coordinates
 EVAL_STREAM = 2  # the eval's sampling
 
 

@@ -34,7 +34,7 @@ def combine_shards(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """One full report from per-shard reports with NaN where a shard does not hold a coordinate.
 
     Replicated coordinates (e.g. KV heads copied over tensor-parallel ranks) must agree; a coordinate
-    no shard holds, or whose holders disagree, comes out NaN, which the drift probe reports as inf.
+    no shard holds, or whose holders disagree, comes out NaN, which the drift check reports as inf.
     """
     stacked = torch.stack(list(parts))
     held = ~stacked.isnan()

@@ -19,8 +19,20 @@ def check(condition: bool, key: str, value: Any, rule: str) -> None:
         raise ValueError(f"config: {key}={value!r} is invalid; {rule}")
 
 
+def check_required(condition: bool, key: str, because: str) -> None:
+    """A key the chosen config needs and leaves unset (`model=hf` without `model.path`)."""
+    if not condition:
+        raise ValueError(f"config: {key} is required by the chosen config ({because}); set it, e.g. {key}=...")
+
+
 def check_positive_int(key: str, value: Any) -> None:
     check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value, "give a positive integer")
+
+
+def check_non_negative_int(key: str, value: Any, zero: str) -> None:
+    """`zero` says what 0 means (e.g. "0: never")."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    check(ok, key, value, f"give an integer >= 0 ({zero})")
 
 
 def check_positive(key: str, value: Any) -> None:
@@ -37,6 +49,12 @@ def check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 def check_bool(key: str, value: Any) -> None:
     check(isinstance(value, bool), key, value, "must be true or false")
+
+
+def check_module_names(key: str, value: Any) -> None:
+    """A non-empty list of module leaf names (`q_proj`, ...), not one bare string."""
+    ok = not isinstance(value, str) and bool(value) and all(isinstance(name, str) and name for name in value)
+    check(ok, key, value, "give a non-empty list of module leaf names, e.g. [q_proj, v_proj]")
 
 
 def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str) -> T:

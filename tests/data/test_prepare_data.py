@@ -9,7 +9,7 @@ from logra_rl.data import DataConfig, load_task
 from logra_rl.rewards import get_reward_function
 from tests.data.math_files import DAPO_PROBLEMS, MATH500_ROWS
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tools" / "prepare_data.py"
 VERL_COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 
 

@@ -5,7 +5,7 @@ from logra_rl.logra import KLConfig, LoGRAConfig
 
 def test_defaults_are_the_reference_port_defaults():
     config = LoGRAConfig()
-    assert (config.rank, config.seed, config.distribution, config.refresh) == (256, 42, "rademacher", True)
+    assert (config.rank, config.seed, config.distribution, config.refresh) == (256, 1, "rademacher", True)
     assert config.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert (config.beta2, config.epsilon, config.update_ratio, config.wire_dtype) == (0.95, 1e-8, 6e-5, "bfloat16")
     kl = config.kl

@@ -164,7 +164,7 @@ def test_mismatch_subtraction_arithmetic():
     assert controller.mismatch == pytest.approx(3e-5)
     # a negative observation counts as 0: m = 0.7 * 3e-5
     assert controller.step_budget(2, mismatch_sum=-5.0, mismatch_tokens=1000) == pytest.approx(2e-4 - 2.1e-5)
-    # no completed responses: m unchanged and the budget not reduced
+    # no finished responses: m unchanged and the budget not reduced
     assert controller.step_budget(3) == 2e-4 and controller.mismatch == pytest.approx(2.1e-5)
     # a large mismatch hits the floor 0.5·δ
     assert controller.step_budget(4, mismatch_sum=10.0, mismatch_tokens=100) == pytest.approx(1e-4)

@@ -12,7 +12,6 @@ from logra_rl.logra import (
     PayloadMerger,
     PayloadRefused,
     UpdatePayload,
-    apply_payload,
     hf_targets,
     join_master,
     make_projection,
@@ -65,7 +64,7 @@ def test_fifty_payloads_keep_bf16_copy_equal_to_rounded_master():
         plain.apply(payload)
         for name, master in trainer.master().items():
             assert torch.equal(exact.weights[name], master.to(torch.bfloat16)), name
-    assert exact.version == plain.version == trainer.opt.update_count == 50
+    assert exact.version == plain.version == trainer.opt.policy_version == 50
     # without the residual, the bf16 copy lost most of the accumulated update
     lost = sum(
         (plain.weights[n].float() - m).norm() ** 2 / (m - initial[n]).norm() ** 2 for n, m in trainer.master().items()
@@ -145,7 +144,7 @@ def test_two_hundred_payloads_keep_bf16_plus_tail_equal_to_the_master():
         differs = target.weight != master.to(torch.bfloat16)
         assert torch.equal(differs, ties), name  # bf16(master) everywhere but at exact ties
         assert torch.equal(exact.weights[name], master.to(torch.bfloat16)), name
-    assert tail.version == trainer.opt.update_count == 200
+    assert tail.version == trainer.opt.policy_version == 200
     print(f"exact ties after 200 updates: {tie_count}")
 
 
@@ -155,13 +154,13 @@ def test_a_tail_residual_needs_bf16_weights():
         hf_targets({"w": torch.zeros(2, 2, dtype=torch.float16)}, "tail")
 
 
-def test_apply_payload_to_an_fp32_copy_tracks_master_exactly():
+def test_payloads_into_an_fp32_copy_track_master_exactly():
     trainer = Trainer()
     copy = {name: w.clone() for name, w in trainer.master().items()}
-    version = 0
+    merger = PayloadMerger(hf_targets(copy, "none"))
     for _ in range(5):
-        version = apply_payload(trainer.step(), copy, version)
-    assert version == 5
+        merger.apply(trainer.step())
+    assert merger.version == 5
     assert all(torch.equal(copy[name], w) for name, w in trainer.master().items())
 
 
@@ -263,7 +262,7 @@ def test_failure_during_apply_demands_a_resync(monkeypatch):
     monkeypatch.setattr(merge_module, "merge_low_rank_", real_merge)
     with pytest.raises(PayloadRefused, match="need a full resync"):
         merger.apply(payload)
-    merger.resync(trainer.master(), version=trainer.opt.update_count)
+    merger.resync(trainer.master(), version=trainer.opt.policy_version)
     assert not merger.needs_resync and merger.version == 1
     merger.apply(trainer.step())
     assert all(torch.equal(merger.weights[n], w.to(torch.bfloat16)) for n, w in trainer.master().items())

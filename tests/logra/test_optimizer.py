@@ -61,7 +61,7 @@ def test_commit_rounds_the_factor_to_the_wire_dtype_and_redraws_projections():
     assert entry.name == target.name and entry.factor.dtype == torch.bfloat16
     assert torch.equal(entry.factor, factor)
     torch.testing.assert_close(target.module.weight.detach(), w0 - factor.float() @ a0, rtol=0, atol=1e-7)
-    assert opt.update_count == 1 and (payload.base_version, payload.new_version) == (0, 1)
+    assert opt.policy_version == 1 and (payload.base_version, payload.new_version) == (0, 1)
     assert torch.equal(target.projection, make_projection(8, target.in_features, target.seed(1)))
     assert not torch.equal(target.projection, a0)
     assert all(not t.sketch.any() and t.contributions == 0 for t in opt.targets)  # consumed by the commit
@@ -103,7 +103,7 @@ def test_discard_restores_state_and_leaves_weights_untouched():
     opt.discard()
     assert all(torch.equal(v, m) for v, m in zip(opt.second_moments, moments, strict=True))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
-    assert opt.update_count == 1 and not opt.prepared
+    assert opt.policy_version == 1 and not opt.prepared
 
 
 def test_non_finite_sketch_refuses_update_with_no_state_change():
@@ -121,7 +121,7 @@ def test_non_finite_sketch_refuses_update_with_no_state_change():
     opt.zero_sketches()  # the caller skips the step and carries on
     backward_and_prepare(model, opt, BATCHES[2])
     opt.commit(1.0)
-    assert opt.update_count == 2
+    assert opt.policy_version == 2
 
 
 def _run(model, opt, batches, alpha=1.0):
@@ -148,7 +148,7 @@ def test_resume_mid_run_is_bit_identical():
 
     _run(model, opt, BATCHES[3:])
     _run(resumed_model, resumed, BATCHES[3:])
-    assert resumed.update_count == opt.update_count == 6
+    assert resumed.policy_version == opt.policy_version == 6
     assert resumed.kl_controller.mismatch == opt.kl_controller.mismatch > 0
     for (name, p), q in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(p, q), name

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import ray
 
-from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig
+from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig, SyncConfig
 from logra_rl.orchestration.cluster import CudaProbe, WorkerGroup, cuda_problem, probe_cuda, start_ray
 from logra_rl.rollout.vllm_engine import engine_cache_root
 
@@ -56,7 +56,7 @@ def test_four_plus_four_placement_on_logical_gpus():
 def test_a_local_ray_without_cuda_gets_an_object_store_of_three_resync_buckets():
     """Written object-store pages stay used memory until Ray exits: the store is sized to what a run
     keeps in flight, and an object larger than it still goes through (served from a file)."""
-    assert start_ray(RunConfig(rollout=RolloutConfig(resync_bucket_mb=100)))
+    assert start_ray(RunConfig(sync=SyncConfig(bucket_mb=100)))
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(300 * 2**20, rel=0.01)
     finally:

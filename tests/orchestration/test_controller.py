@@ -3,13 +3,14 @@
 import math
 
 import pytest
+import ray
 import torch
 from hydra import compose, initialize_config_module
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import split_master
+from logra_rl.logra import UpdatePayload, split_master
 from logra_rl.orchestration.controller import Controller
-from logra_rl.train.api import LowRankPayloads, NoChange
+from logra_rl.train.api import LowRankPayloads, NoChange, PayloadRef
 from logra_rl.train.batch import pack_batch
 from tests.models.test_loading import save_as
 
@@ -19,16 +20,16 @@ REQUIRED = [
     "reward/grader_timeouts",
     "response_length/mean",
     "response_length/clip_ratio",
-    "actor/loss",
-    "actor/is_ratio_mean",
+    "train/loss",
+    "train/is_ratio_mean",
     "logra/alpha",
     "logra/kl_budget",
     "logra/kl_predicted",
-    "actor/kl_realized",
+    "train/kl_realized",
     "logra/update_ratio",
     "sync/payload_bytes",
-    "sync/weight_max_abs_diff",
-    "rollout/logprob_diff_mean",
+    "sync/drift",
+    "train/mismatch",
     "memory/train_avg_gib",
     "memory/train_peak_gib",
     "timing_s/rollout",
@@ -59,7 +60,7 @@ def next_batch(controller, prompts=16, seed=5, advantages=None):
 
 
 def target_grid(controller):
-    """Every coordinate of every LoGRA target, as drift-probe coordinates."""
+    """Every coordinate of every LoGRA target, as drift-check coordinates."""
     grid = {
         name: torch.cartesian_prod(torch.arange(r), torch.arange(c)).T
         for name, (r, c) in controller.weight_sync.targets.items()
@@ -86,6 +87,8 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
         evaluation = controller.evaluator.evaluate(3)
         # a duplicated payload is refused by the version gate; the weight sync resyncs and carries on
         result = controller.train.train_step(next_batch(controller), 3)
+        [sent] = result.update.payloads  # a reference: the bytes stay in the object store, put by train rank 0
+        received = UpdatePayload.from_bytes(ray.get(sent.ref))  # what every engine reads
         duplicate = LowRankPayloads(result.update.payloads * 2)
         duplicate = controller.weight_sync.sync(duplicate, result.policy_version, step=3)
         master = controller.train.full_state()
@@ -98,7 +101,7 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
         missing = [key for key in REQUIRED if key not in metrics]
         assert not missing, missing
         assert all(math.isfinite(v) for v in metrics.values())
-        assert metrics["sync/weight_max_abs_diff"] == 0.0
+        assert metrics["sync/drift"] == 0.0
         assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
         assert metrics["timing_s/step"] < 30  # a hung grader costs at most its timeout
         inside = sum(metrics[f"timing_s/{phase}"] for phase in ("forward", "backward", "update"))
@@ -106,8 +109,10 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}
+    assert isinstance(sent, PayloadRef) and (sent.base_version, sent.new_version) == (3, 4)
+    assert (received.base_version, received.new_version) == (3, 4) and sent.nbytes > received.factor_bytes
     assert duplicate["sync/refused"] == 1 and duplicate["sync/full_resync_bytes"] > 0
-    assert duplicate["sync/weight_max_abs_diff"] == 0.0
+    assert duplicate["sync/drift"] == 0.0
     for name, (rows, cols) in grid.items():
         expected = split_master(master[f"{name}.weight"][rows, cols])[0].float()  # the default tail residual
         assert torch.equal(rollout[name], expected), name
@@ -131,7 +136,7 @@ def test_engines_that_read_an_exact_checkpoint_start_without_a_resync(tmp_path, 
         controller.teardown()
     assert "no resync at start" in started
     assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in before]
-    assert first["sync/weight_max_abs_diff"] == 0.0 and first["sync/payload_bytes"] > 0
+    assert first["sync/drift"] == 0.0 and first["sync/payload_bytes"] > 0
 
 
 def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_model):
@@ -147,10 +152,10 @@ def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_mo
             controller.teardown()
         assert [m["policy/version"] for m in history] == [per_step, 2 * per_step]
         for metrics in history:
-            assert metrics["sync/weight_max_abs_diff"] == 0.0 and math.isfinite(metrics["actor/loss"])
+            assert metrics["sync/drift"] == 0.0 and math.isfinite(metrics["train/loss"])
             if per_step == 1:  # dense: no payload, a full resync of bf16(master) instead
                 assert metrics["sync/payload_bytes"] == 0 and metrics["sync/full_resync_bytes"] > 0
-                assert metrics["actor/lr"] > 0
+                assert metrics["train/lr"] > 0
             else:
                 assert metrics["sync/payload_bytes"] > 0 and metrics["sync/full_resync_bytes"] == 0
 
@@ -159,7 +164,7 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     """optimizer=lora: peft adapters under FSDP2; the engines get W + s·B·A, equal to the trainer's merged view."""
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
     overrides += ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
-    overrides += ["rollout.resync_bucket_mb=0.05"]  # ~50 kB: the merged weights stream in several buckets
+    overrides += ["sync.bucket_mb=0.05"]  # ~50 kB: the merged weights stream in several buckets
     controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
     controller.setup()
     try:
@@ -171,8 +176,8 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     assert "model.layers.0.self_attn.q_proj.weight" in master and not any("lora" in k for k in master)
     for metrics in history:
         assert metrics["sync/full_resync_bytes"] > 0 and metrics["sync/payload_bytes"] == 0
-        assert metrics["sync/weight_max_abs_diff"] == 0.0  # engines hold bf16 of the merged weights
-        assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0
+        assert metrics["sync/drift"] == 0.0  # engines hold bf16 of the merged weights
+        assert metrics["train/grad_norm"] > 0 and metrics["train/skipped"] == 0
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(quickstart_model).state_dict()
@@ -203,16 +208,16 @@ def test_a_skipped_logra_update_changes_and_sends_nothing(tmp_path, quickstart_m
     finally:
         controller.teardown()
     assert isinstance(result.update, NoChange) and "NaN or Inf" in result.update.reason
-    assert result.policy_version == 1 and result.metrics["actor/skipped"] == 1.0
+    assert result.policy_version == 1 and result.metrics["train/skipped"] == 1.0
     assert "logra/alpha" not in result.metrics
     assert sync["sync/payload_bytes"] == 0 and sync["sync/full_resync_bytes"] == 0 and sync["sync/refused"] == 0
-    assert sync["sync/weight_max_abs_diff"] == 0.0
+    assert sync["sync/drift"] == 0.0
     assert versions == versions_after == [1]
     for name in grid:
         assert torch.equal(before[0][name], after[0][name]), name
         assert torch.equal(master_before[name], master_after[name]), name
     assert following["policy/version"] == 2.0 and following["sync/payload_bytes"] > 0
-    assert following["sync/weight_max_abs_diff"] == 0.0
+    assert following["sync/drift"] == 0.0
 
 
 def test_a_step_with_every_advantage_zero_trains_and_sends_nothing(tmp_path, quickstart_model):
@@ -231,10 +236,10 @@ def test_a_step_with_every_advantage_zero_trains_and_sends_nothing(tmp_path, qui
     finally:
         controller.teardown()
     for metrics in history:
-        assert metrics["reward/mean"] == 0.0 and metrics["actor/skipped"] == 1.0
+        assert metrics["reward/mean"] == 0.0 and metrics["train/skipped"] == 1.0
         assert metrics["policy/version"] == 0.0 and versions == [0]
         assert metrics["sync/payload_bytes"] == 0 and metrics["sync/full_resync_bytes"] == 0
-        assert not any(key.startswith(("logra/", "actor/loss")) for key in metrics)
+        assert not any(key.startswith(("logra/", "train/loss")) for key in metrics)
     for name in grid:
         assert torch.equal(before[0][name], after[0][name]), name
         assert torch.equal(master_before[name], master_after[name]), name
@@ -269,7 +274,7 @@ def test_a_gemma3_checkpoint_trains_its_nested_decoder_and_merges_in_place(tmp_p
     )
     for metrics in history:
         assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
-        assert metrics["sync/full_resync_bytes"] == 0 and metrics["sync/weight_max_abs_diff"] == 0.0
+        assert metrics["sync/full_resync_bytes"] == 0 and metrics["sync/drift"] == 0.0
     assert history[-1]["policy/version"] == 2
     moved = [k for k in master if not torch.equal(master[k], original[k])]
     assert moved and all(k.startswith("model.language_model.layers.") for k in moved)
@@ -285,19 +290,17 @@ def test_a_logra_run_whose_engines_cannot_merge_in_place_stops_unless_full_resyn
     from logra_rl.rollout import MergeMode
 
     refused = [MergeMode("in_place"), MergeMode("resync", "Phi3ForCausalLM layer 0 has no ['mlp.gate_up_proj']")]
-    with pytest.raises(InPlaceMergeRefused, match=r"Phi3ForCausalLM.*rollout.allow_resync_fallback=true"):
+    with pytest.raises(InPlaceMergeRefused, match=r"Phi3ForCausalLM.*sync.allow_resync_fallback=true"):
         check_in_place(refused, allow_resync_fallback=False)
     check_in_place(refused, allow_resync_fallback=True)
-    assert "every update is a full resync (rollout.allow_resync_fallback)" in capsys.readouterr().out
+    assert "every update is a full resync (sync.allow_resync_fallback)" in capsys.readouterr().out
     check_in_place([MergeMode("in_place"), MergeMode("shadow")], allow_resync_fallback=False)
     assert "merge into the engines: in_place, shadow" in capsys.readouterr().out
 
 
 def test_engine_weights_that_drift_from_the_master_are_resynced_the_same_step(tmp_path, quickstart_model, capsys):
-    """No periodic resync by default: the drift probe is the check. Engines whose weights differ from
+    """No periodic resync by default: the drift check is the check. Engines whose weights differ from
     bf16(master) where the tail residual makes merges exact are resynced at once, and the run says so."""
-    import ray
-
     cfg = run_config(["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8"])
     controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
     controller.setup()
@@ -310,7 +313,7 @@ def test_engine_weights_that_drift_from_the_master_are_resynced_the_same_step(tm
         after = controller.weight_sync.drift(step=1)
     finally:
         controller.teardown()
-    assert controller.config.rollout.resync_every == 0
-    assert quiet["sync/weight_max_abs_diff"] > 0.01 and quiet["sync/full_resync_bytes"] > 0
+    assert controller.config.sync.resync_every == 0
+    assert quiet["sync/drift"] > 0.01 and quiet["sync/full_resync_bytes"] > 0
     assert after == 0.0
     assert "differ from bf16(master)" in capsys.readouterr().out

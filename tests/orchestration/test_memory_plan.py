@@ -12,9 +12,8 @@ from hydra import compose, initialize_config_module
 from transformers import Gemma3TextConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.models.footprint import model_footprint
+from logra_rl.models.footprint import Part, model_footprint
 from logra_rl.orchestration.memory_plan import (
-    GIB,
     Machine,
     MemoryPlanError,
     check_memory,
@@ -22,6 +21,8 @@ from logra_rl.orchestration.memory_plan import (
     plan_memory,
     with_changes,
 )
+from logra_rl.train.optimizers import UPDATE_RULES, DenseUpdate, RuleMemory
+from logra_rl.utils.memory import GIB
 from tests.tiny_models import tiny_qwen3_config
 
 BIN = Path(sys.executable).parent
@@ -48,7 +49,7 @@ def parts(process):
 def test_dense_holds_gradients_and_adam_moments_logra_holds_sketches(model_dir):
     logra = run_config("cluster.train_workers=2", "logra.rank=16")
     dense = with_changes(logra, optimizer={"name": "dense"})
-    model = model_footprint(model_dir, logra.logra.target_modules, "float32")
+    model = model_footprint(model_dir, logra.model.target_modules, "float32")
     logra_rank = parts(plan_memory(logra, model_dir, CPU_HOST).process("train rank"))
     dense_rank = parts(plan_memory(dense, model_dir, CPU_HOST).process("train rank"))
     assert logra_rank["weights"] == dense_rank["weights"] == 4 * model.params / 2  # fp32 masters, sharded
@@ -61,12 +62,34 @@ def test_dense_holds_gradients_and_adam_moments_logra_holds_sketches(model_dir):
 
 def test_the_engine_residual_is_two_bytes_per_targeted_weight_with_the_tail(model_dir):
     config = run_config()
-    model = model_footprint(model_dir, config.logra.target_modules, "float32")
+    model = model_footprint(model_dir, config.model.target_modules, "float32")
     for residual, size in (("tail", 2), ("float32", 4), ("none", 0)):
-        engine = plan_memory(with_changes(config, rollout={"residual": residual}), model_dir, CPU_HOST)
+        engine = plan_memory(with_changes(config, sync={"residual": residual}), model_dir, CPU_HOST)
         assert parts(engine.process("rollout engine"))["residual"] == size * model.target_params
+    fp32 = plan_memory(with_changes(config, rollout={"dtype": "float32"}), model_dir, CPU_HOST)
+    assert parts(fp32.process("rollout engine"))["residual"] == 0  # fp32 weights are their own master: no tail
     dense = plan_memory(with_changes(config, optimizer={"name": "dense"}), model_dir, CPU_HOST)
     assert parts(dense.process("rollout engine"))["residual"] == 0  # full resyncs: no merges, no residual
+
+
+def test_the_plan_holds_what_the_update_rule_says_it_holds(model_dir, monkeypatch):
+    """The plan keeps no table of the update rules: a rule's parts reach every train rank as it names them, its
+    payload the driver, and a rule whose payloads merge in place gives the engines their residual."""
+
+    class Momentum(DenseUpdate):
+        @staticmethod
+        def memory(config, model, sequence, cuda):
+            return RuleMemory(state=(Part("momentum", 3 * model.params),), saved_per_token=0, probe=(), payload=1000)
+
+    monkeypatch.setitem(UPDATE_RULES, "dense", Momentum)
+    config = run_config("optimizer=dense")
+    model = model_footprint(model_dir, config.model.target_modules, "float32")
+    plan = plan_memory(config, model_dir, CPU_HOST)
+    rank = parts(plan.process("train rank"))
+    assert rank["momentum"] == 3 * model.params and "Adam moments" not in rank
+    assert rank["activations"] == 0  # what each layer saves is the rule's to say
+    assert parts(plan.process("driver + Ray"))["payload (object store)"] == 1000  # rank 0 put it; no driver copy
+    assert parts(plan.process("rollout engine"))["residual"] == 2 * model.target_params
 
 
 def test_generation_buffers_follow_the_datas_longest_prompt(model_dir):
@@ -97,7 +120,7 @@ def test_the_27b_preset_fits_one_h100_node_with_logra_and_not_with_dense(gemma3_
     config = run_config("+experiment=reasoning_gym_hard_27b", f"model.path={gemma3_27b}")
     logra = plan_memory(config, gemma3_27b, H100_NODE)
     assert logra.fits, logra.rows()
-    assert 27e9 < model_footprint(gemma3_27b, config.logra.target_modules, "bfloat16").params < 27.1e9
+    assert 27e9 < model_footprint(gemma3_27b, config.model.target_modules, "bfloat16").params < 27.1e9
     dense_config = with_changes(config, optimizer={"name": "dense"})
     dense = plan_memory(dense_config, gemma3_27b, H100_NODE)
     assert not dense.fits

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -83,7 +84,8 @@ def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
     for _ in range(3):
         trainer(input_ids=ids).logits.logsumexp(-1).sum().backward()
         opt.prepare(num_tokens=ids.numel())
-        payloads.append(opt.commit(1.0).to_bytes())
+        # as Ray delivers a PayloadRef: a read-only uint8 view of the object store
+        payloads.append(np.frombuffer(bytes(opt.commit(1.0).to_bytes()), dtype=np.uint8))
         assert engine.apply_payload(payloads[-1]).applied
     assert engine.version == 3
     modules = dict(trainer.named_modules())
@@ -91,9 +93,9 @@ def test_payloads_keep_bf16_weights_equal_to_rounded_master(quickstart_model):
         assert torch.equal(weight, modules[name].weight.detach().to(torch.bfloat16)), name
     stale = engine.apply_payload(payloads[1])
     assert not stale.applied and "stale" in stale.reason and stale.version == 3
-    corrupted = bytearray(payloads[2])
+    corrupted = payloads[2].copy()
     corrupted[-1] ^= 0xFF
-    broken = engine.apply_payload(bytes(corrupted))  # reported, not raised: the controller resyncs
+    broken = engine.apply_payload(corrupted)  # reported, not raised: the controller resyncs
     assert not broken.applied and "PayloadFormatError" in broken.reason and engine.version == 3
     coordinates = {name: (torch.tensor([0, 3]), torch.tensor([1, 2])) for name in list(engine.merger.weights)[:2]}
     values = engine.weights_at(coordinates)

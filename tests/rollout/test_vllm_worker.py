@@ -1,5 +1,6 @@
 """The worker extension's start-up choice when in-place merges cannot work (no vLLM needed)."""
 
+import numpy as np
 import torch
 from transformers import Qwen2Config
 
@@ -57,9 +58,9 @@ def test_quantized_weights_turn_in_place_merges_off_with_a_reason():
     state = worker.logra_init(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "float32", 256
     )
-    assert state["mode"] == "resync" and "model.layers.0.self_attn.qkv_proj.weight" in state["refusal"]
-    result = worker.logra_apply(b"any payload")
-    assert not result["applied"] and "packed or quantized" in result["reason"]
+    assert state.mode == "resync" and "model.layers.0.self_attn.qkv_proj.weight" in state.reason
+    result = worker.logra_apply(np.frombuffer(b"any payload", dtype=np.uint8))
+    assert not result.applied and "packed or quantized" in result.reason
     assert worker.logra_weights_at({"model.layers.0.self_attn.q_proj": (torch.tensor([0]), torch.tensor([0]))}) == {}
 
 
@@ -72,8 +73,8 @@ def test_an_unknown_layer_layout_fails_closed_to_full_resyncs():
     layer.self_attn.q_proj = _Linear(32, 32, torch.bfloat16)
     worker = _FakeWorker(model, config)
     state = worker.logra_init(["q_proj", "o_proj"], "float32", 256)
-    assert state["mode"] == "resync" and "self_attn.qkv_proj" in state["refusal"]
-    assert not worker.logra_apply(b"any payload")["applied"]
+    assert state.mode == "resync" and "self_attn.qkv_proj" in state.reason
+    assert not worker.logra_apply(np.frombuffer(b"any payload", dtype=np.uint8)).applied
     empty = torch.nn.Module()
-    refusal = _FakeWorker(empty, config).logra_init(["q_proj"], "float32", 256)["refusal"]
+    refusal = _FakeWorker(empty, config).logra_init(["q_proj"], "float32", 256).reason
     assert "no decoder layers (model.layers)" in refusal

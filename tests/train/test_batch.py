@@ -15,7 +15,7 @@ def batch_of(lengths, width=10):
         loss_mask=attention.float(),
         rollout_logprobs=torch.zeros(rows, width),
         advantages=torch.arange(rows, dtype=torch.float32),
-        completed=torch.ones(rows, dtype=torch.bool),
+        finished=torch.ones(rows, dtype=torch.bool),
     )
 
 

@@ -8,8 +8,8 @@ from tests.tiny_models import tiny_qwen3
 
 
 def test_merged_state_equals_peft_merge_and_unload():
-    config = OptimizerConfig(name="lora", lora_rank=4, lora_alpha=8.0, lora_targets=("q_proj", "down_proj", "lm_head"))
-    model = add_lora(tiny_qwen3(seed=2), config)
+    config = OptimizerConfig(name="lora", lora_rank=4, lora_alpha=8.0)
+    model = add_lora(tiny_qwen3(seed=2), config, ("q_proj", "down_proj", "lm_head"))
     torch.manual_seed(0)
     for layer in lora_layers(model).values():  # B starts at 0: give every adapter a real update
         torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1)

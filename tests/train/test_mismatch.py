@@ -1,5 +1,5 @@
-"""The rollout-vs-trainer mismatch under bf16, and what the KL budget makes of it (scripts/bench_mismatch.py measures
-the same on 128 responses; docs/benchmarks.md, "The bf16 mismatch").
+"""The rollout-vs-trainer mismatch under bf16, and what the KL budget makes of it
+(scripts/bench/bench_mismatch.py measures the same on 128 responses; docs/benchmarks.md, "The bf16 mismatch").
 
 On GPUs the trainer computes in bf16 (FSDP2's bf16 parameters over fp32 masters) and vLLM in bf16: the two policies
 differ by a KL of ~2e-3 nats per token at step 0 on SmolLM2-135M, 10x the GPU presets' budget of 2e-4. The presets
@@ -71,7 +71,7 @@ def test_the_worker_and_an_hf_engine_of_the_same_dtype_agree_to_the_dtypes_noise
         "+experiment=smollm2",
         "data.train_size=8",
         "cluster.device=cpu",
-        "rollout=hf",
+        "rollout.backend=hf",
         f"rollout.dtype={dtype}",
     ]
     config = composed([*overrides, f"model.compute_dtype={dtype}"])
@@ -88,7 +88,7 @@ def test_the_worker_and_an_hf_engine_of_the_same_dtype_agree_to_the_dtypes_noise
         logprobs = worker.logprobs(batch)
     finally:
         worker.shutdown()
-    reported = sums["mismatch_all"] / sums["tokens"]  # rollout/logprob_diff_mean
+    reported = sums["mismatch_all"] / sums["tokens"]  # train/mismatch
     diff = (batch.rollout_logprobs - logprobs)[batch.loss_mask.bool()].double()
     assert sums["tokens"] == len(diff) > 100
     assert float(diff.mean()) == pytest.approx(reported, abs=1e-7)  # the same per-token numbers

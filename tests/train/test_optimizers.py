@@ -34,21 +34,21 @@ def test_dense_update_rescales_fsdp_averaged_gradients_and_skips_non_finite_ones
     metrics, outcome = update.update(
         UpdateInputs(step=0, num_tokens=10, mismatch_sum=0, mismatch_tokens=0, probe=probe)
     )
-    assert outcome == FullResync() and metrics["actor/skipped"] == 0.0 and update.version == 1
-    assert metrics["actor/grad_norm"] == pytest.approx((15 * (2 / 10) ** 2) ** 0.5)  # 15 ones × world / tokens
+    assert outcome == FullResync() and metrics["train/skipped"] == 0.0 and update.version == 1
+    assert metrics["train/grad_norm"] == pytest.approx((15 * (2 / 10) ** 2) ** 0.5)  # 15 ones × world / tokens
     before = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
     metrics, outcome = update.update(
         UpdateInputs(step=1, num_tokens=10, mismatch_sum=0, mismatch_tokens=0, probe=probe)
     )
-    assert metrics["actor/skipped"] == 1.0 and isinstance(outcome, NoChange) and update.version == 1
+    assert metrics["train/skipped"] == 1.0 and isinstance(outcome, NoChange) and update.version == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
-    """`actor/kl_realized` of a dense step is KL(π_before ‖ π_after) per generated token on the probe rows, the
+    """`train/kl_realized` of a dense step is KL(π_before ‖ π_after) per generated token on the probe rows, the
     head included (a trained LM head changes the logits too), and the step itself is the plain AdamW step."""
     import torch
 
@@ -89,7 +89,7 @@ def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
     where = loss_mask[:, 1:].bool()
     want = exact_kl(before[:, :-1][where], after[:, :-1][where], config.rollout.temperature).mean()
     assert want > 1e-3  # the step moved the policy measurably
-    assert metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-6)
+    assert metrics["train/kl_realized"] == pytest.approx(float(want), rel=1e-6)
     assert model.training  # the probe's eval mode is undone
 
 
@@ -100,16 +100,16 @@ def test_the_quickstart_commits_no_step_past_its_kl_bound(tmp_path):
     and the policy learns."""
     from tests.runs import LOGRA_TRAIN, records
 
-    args = ["trainer.total_steps=60", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.run_name=guard"]
+    args = ["trainer.total_steps=60", "eval.every=0", "trainer.checkpoint_every=0", "trainer.run_name=guard"]
     args += ["logger.progress=false", "logger.plot=false"]
     result = subprocess.run([LOGRA_TRAIN, *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [r for r in records(tmp_path / "outputs/quickstart/guard") if "reward/mean" in r]
     assert len(steps) == 60
-    committed = [r for r in steps if r.get("actor/kl_realized") is not None]
+    committed = [r for r in steps if r.get("train/kl_realized") is not None]
     assert len(committed) >= 55 and sum(r.get("logra/overshoot_refused", 0) for r in steps) <= 5
     for r in committed:
-        assert r["actor/kl_realized"] <= 1.5 * r["logra/kl_budget"], r
+        assert r["train/kl_realized"] <= 1.5 * r["logra/kl_budget"], r
     proposed = [r for r in steps if r.get("logra/kl_realized_over_predicted") is not None]  # probed, q > 0
     first_try = [
         r["logra/kl_realized_over_predicted"] * r["logra/kl_per_unit_step"] * r["logra/alpha_proposed"] ** 2

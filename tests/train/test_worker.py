@@ -22,7 +22,8 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     path = tmp_path / "model"
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
     overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
-    overrides += ["optimizer.lora_targets=[q_proj,v_proj,lm_head]"]  # one adapted module outside the layers
+    if optimizer == "lora":  # one adapted module outside the layers
+        overrides += ["model.target_modules=[q_proj,v_proj,lm_head]"]
     config = RunConfig.from_mapping(run_config(overrides))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     input_ids = random_batch(3, 12, seed=1)
@@ -32,7 +33,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         loss_mask=torch.ones(input_ids.shape),
         rollout_logprobs=torch.zeros(input_ids.shape),
         advantages=torch.zeros(3),
-        completed=torch.ones(3, dtype=torch.bool),
+        finished=torch.ones(3, dtype=torch.bool),
     )
 
     owns_ray = start_ray(config)
@@ -69,7 +70,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
 
 def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
     """Two FSDP2 ranks, tied embeddings (a parameter of the root, which a forward-only pass leaves gathered):
-    `actor/kl_realized` is the exact KL per generated token between the model before the step and the model
+    `train/kl_realized` is the exact KL per generated token between the model before the step and the model
     the step left (both read back from the ranks), over the probe rows of both shards, not a stale forward."""
     from logra_rl.logra import exact_kl
 
@@ -86,7 +87,7 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
         loss_mask=loss_mask,
         rollout_logprobs=torch.full(input_ids.shape, -4.0),
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        completed=torch.ones(4, dtype=torch.bool),
+        finished=torch.ones(4, dtype=torch.bool),
     )
     owns_ray = start_ray(config)
     group = TrainGroup(config, str(path))
@@ -107,20 +108,20 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
         logits_after = model(input_ids=input_ids).logits[:, :-1][where]
     want = exact_kl(logits_before, logits_after, config.rollout.temperature).mean()
     assert want > 1e-6
-    assert result.metrics["actor/kl_realized"] == pytest.approx(float(want), rel=1e-3)
+    assert result.metrics["train/kl_realized"] == pytest.approx(float(want), rel=1e-3)
 
 
 def test_ppo_epochs_metrics_are_aggregated_over_every_epoch():
     """Counts and times add up over the epochs; every other metric is the mean over the epochs reporting it."""
     epochs = [
-        {"actor/loss": 0.5, "actor/clip_frac": 0.0, "actor/skipped": 0.0, "timing_s/probe": 1.0, "logra/alpha": 2.0},
-        {"actor/loss": 0.25, "actor/clip_frac": 0.5, "actor/skipped": 1.0},  # a skipped LoGRA update
-        {"actor/loss": 0.0, "actor/clip_frac": 0.25, "actor/skipped": 0.0, "timing_s/probe": 0.5, "logra/alpha": 1.0},
+        {"train/loss": 0.5, "train/clip_frac": 0.0, "train/skipped": 0.0, "timing_s/probe": 1.0, "logra/alpha": 2.0},
+        {"train/loss": 0.25, "train/clip_frac": 0.5, "train/skipped": 1.0},  # a skipped LoGRA update
+        {"train/loss": 0.0, "train/clip_frac": 0.25, "train/skipped": 0.0, "timing_s/probe": 0.5, "logra/alpha": 1.0},
     ]
     assert aggregate_epochs(epochs) == {
-        "actor/loss": 0.25,
-        "actor/clip_frac": 0.25,
-        "actor/skipped": 1.0,
+        "train/loss": 0.25,
+        "train/clip_frac": 0.25,
+        "train/skipped": 1.0,
         "timing_s/probe": 1.5,
         "logra/alpha": 1.5,
     }

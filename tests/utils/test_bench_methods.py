@@ -1,4 +1,4 @@
-"""scripts/bench_methods.py's accounting, on run directories written here: pass@1 over seeds, the cumulative
+"""scripts/bench/bench_methods.py's accounting, on run directories written here: pass@1 over seeds, the cumulative
 KL at each eval (the updates before it), pass@1 at equal cumulative KL, and a longer run cut at the asked steps."""
 
 import importlib.util
@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_methods.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_methods.py"
 
 
 def write_run(path: Path, kl: list[float], pass1: dict[int, float]) -> None:
     """A run of len(kl) steps (an eval record at each key of pass1; step len(kl) is the final eval only)."""
     path.mkdir(parents=True)
-    (path / "config.yaml").write_text("data:\n  task: products\nrollout:\n  eval_samples: 4\n")
+    (path / "config.yaml").write_text("data:\n  task: products\neval:\n  samples: 4\n")
     records = []
     for step in range(len(kl) + 1):
         record: dict = {"step": step}
         if step < len(kl):
-            record |= {"reward/mean": 0.1 * step, "actor/kl_realized": kl[step], "timing_s/step": 10.0 + step}
-            record |= {"memory/train_avg_gib": 2.0, "memory/train_peak_gib": 3.0 + step, "actor/skipped": 0.0}
+            record |= {"reward/mean": 0.1 * step, "train/kl_realized": kl[step], "timing_s/step": 10.0 + step}
+            record |= {"memory/train_avg_gib": 2.0, "memory/train_peak_gib": 3.0 + step, "train/skipped": 0.0}
         if step in pass1:
             record |= {"eval/products/pass@1": pass1[step], "eval/products/pass@4": min(1.0, 2 * pass1[step])}
         records.append(record)

@@ -48,7 +48,7 @@ def write_checkpoint(checkpoints: Checkpoints, step: int) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": {"w": torch.full((256, 64), float(step))}}, checkpoint_id=path / "model")
-    torch.save({"update_count": step}, path / UPDATE_STATE)
+    torch.save({"policy_version": step}, path / UPDATE_STATE)
     checkpoints.commit(step, {"step": step, "sampler": {}, "baseline": {}})
 
 

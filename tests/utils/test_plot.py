@@ -21,7 +21,7 @@ def write_run(
     config = {
         "optimizer": {"name": optimizer},
         "data": {"task": "gsm8k"},
-        "rollout": {"eval_samples": 4},
+        "eval": {"samples": 4},
         "trainer": {"total_steps": total_steps},
     }
     if max_overshoot is not None:
@@ -45,7 +45,7 @@ def logra_records() -> list[dict]:
             step / 10,
             1.5,
             **{
-                "actor/kl_realized": None if step == 3 else 0.01,
+                "train/kl_realized": None if step == 3 else 0.01,
                 "logra/kl_predicted": 0.02,
                 "logra/kl_budget": 0.01,
                 "memory/train_avg_gib": 1.0 if step % 2 else 1.5,
@@ -75,7 +75,7 @@ def dense_records() -> list[dict]:
 def short_records() -> list[dict]:
     """Stopped after 6 of 10 steps: no final eval, no memory or speed metrics, an eval at step 0 only."""
     records = [train_record(s, 0.2, 1.0) for s in range(6)]
-    records[0] |= {"eval/gsm8k/pass@1": 0.25, "eval/gsm8k/pass@4": 0.5, "actor/kl_realized": 0.0}
+    records[0] |= {"eval/gsm8k/pass@1": 0.25, "eval/gsm8k/pass@4": 0.5, "train/kl_realized": 0.0}
     return records
 
 
@@ -94,7 +94,7 @@ def guarded_records() -> list[dict]:
                 "logra/alpha": 1.0,
                 "logra/line_search_tries": 1.0,
                 "logra/kl_predicted": 0.01,
-                "actor/kl_realized": kl,
+                "train/kl_realized": kl,
                 "logra/kl_realized_over_predicted": kl / 0.01,
             }
         records.append(train_record(step, 0.5, 1.0, **guard, **{"timing_s/line_search": 0.1}))
@@ -215,7 +215,7 @@ def test_plot_run_still_writes_the_end_of_run_png(tmp_path, figures):
     # a run from before the guard: the default bound 1.5 × budget, no step over it, nothing refused
     assert legend(kl_axis(figures[0])) == [
         "logra/kl_predicted",
-        "actor/kl_realized",
+        "train/kl_realized",
         "logra/kl_budget",
         "bound 1.5 × budget",
     ]
@@ -273,4 +273,4 @@ def test_plot_run_marks_the_bound_from_config_yaml(tmp_path, figures):
     assert drawn["bound 2 × budget"] == (list(range(8)), [0.02] * 8)
     assert drawn["realised over bound: 1"] == ([4], [0.025])
     assert drawn["refused: 1"] == ([6], [0.01])
-    assert drawn["actor/kl_realized"][0] == [0, 1, 2, 3, 4, 5, 7]
+    assert drawn["train/kl_realized"][0] == [0, 1, 2, 3, 4, 5, 7]

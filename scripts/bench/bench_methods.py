@@ -1,8 +1,8 @@
 """LoGRA against dense AdamW and LoRA on one preset and several seeds, measured the same way for all three.
 
-    .venv-vllm/bin/python scripts/bench_methods.py                          # smollm2, 20 steps, seeds 1-3
-    .venv-vllm/bin/python scripts/bench_methods.py --report-only            # tables and figure from finished runs
-    .venv-vllm/bin/python scripts/bench_methods.py --steps 10 --seeds 1 --out bench_results/lr_sweep \\
+    .venv-vllm/bin/python scripts/bench/bench_methods.py                          # smollm2, 20 steps, seeds 1-3
+    .venv-vllm/bin/python scripts/bench/bench_methods.py --report-only            # tables and figure from finished runs
+    .venv-vllm/bin/python scripts/bench/bench_methods.py --steps 10 --seeds 1 --out bench_results/lr_sweep \\
         --arm dense_lr2e-5="optimizer=dense optimizer.lr=2e-5" --arm dense_lr4e-5="optimizer=dense optimizer.lr=4e-5"
 
 Each arm is a label and its `logra-train` overrides on top of `+experiment=<preset>` (`--arm LABEL="key=value
@@ -13,7 +13,7 @@ is not rerun, an unfinished or shorter one resumes from its last checkpoint (eve
 learning-rate sweep run is the first half of that arm's 20-step run). Per arm, over the seeds (mean, sample
 standard deviation, min, max):
 - held-out pass@1 and pass@k at every eval;
-- the KL each update moved the policy: `actor/kl_realized`, the exact KL(π_before ‖ π_after) per generated
+- the KL each update moved the policy: `train/kl_realized`, the exact KL(π_before ‖ π_after) per generated
   token on the same probe rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
   rows before and after the AdamW step), its median per step and its running sum (the cumulative KL at each
   eval counts the updates before it), and pass@1 at equal cumulative KL (each arm's mean curve, interpolated
@@ -34,7 +34,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,9 @@ from rich.console import Console
 from rich.table import Table
 
 from logra_rl.utils.plot import Run, load_run
+from logra_rl.utils.timing import timed
 
-KL = "actor/kl_realized"
+KL = "train/kl_realized"
 EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
 
 
@@ -84,10 +84,9 @@ def launch(preset: str, overrides: str, steps: int, seed: int, out: Path, arm: s
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[bench_methods] {arm} seed {seed}: {shlex.join(command)}", flush=True)
-    start = time.perf_counter()
     with open(path.parent / f"seed{seed}.log", "a") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
-    wall = time.perf_counter() - start
+        finished, wall = timed(lambda: subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False))
+    code = finished.returncode
     if code != 0:
         raise SystemExit(f"{arm} seed {seed} failed (exit {code}); see {path.parent / f'seed{seed}.log'}")
     record = path / "bench_wall_s.json"
@@ -133,7 +132,7 @@ def run_summary(run: Run, steps: int) -> dict[str, Any]:
     }
     # steps that committed an update (at a task's ceiling every advantage is 0 and a step skips its update in
     # a fraction of the time: `perf/updates_per_hour` of such steps counts updates that did not happen)
-    trained = [r["timing_s/step"] for r in run.records[1:] if r.get("timing_s/step") and r.get("actor/skipped") == 0]
+    trained = [r["timing_s/step"] for r in run.records[1:] if r.get("timing_s/step") and r.get("train/skipped") == 0]
     wall = run.path / "bench_wall_s.json"
     return {
         "evals": evals,
@@ -142,7 +141,7 @@ def run_summary(run: Run, steps: int) -> dict[str, Any]:
         "train_memory_peak_gib": max(run.values("memory/train_peak_gib") or [float("nan")]),
         "updates_per_hour": 3600 / statistics.median(trained) if trained else float("nan"),
         "wall_s": json.loads(wall.read_text())["wall_s"] if wall.is_file() else None,
-        "skipped_updates": sum(run.values("actor/skipped")),
+        "skipped_updates": sum(run.values("train/skipped")),
         "reward_by_kl": reward_by_kl(run, cumulative),
     }
 
@@ -214,7 +213,7 @@ def equal_kl(arms: dict[str, dict[str, Any]]) -> tuple[float, dict[str, float]]:
     curves = {}
     for arm, summary in arms.items():
         if summary["kl_per_step_median"] is None:
-            print(f"[bench_methods] {arm} logged no actor/kl_realized (optimizer.measure_kl=false?): no KL comparison")
+            print(f"[bench_methods] {arm} logged no train/kl_realized (optimizer.measure_kl=false?): no KL comparison")
             continue
         points = sorted((e["cumulative_kl"]["mean"], e["pass@1"]["mean"]) for e in summary["evals"].values())
         curves[arm] = ([x for x, _ in points], [y for _, y in points])

@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Write a task's examples to parquet in verl's schema, to train from local files (e.g. on a node without internet).
 
-    python scripts/prepare_data.py --task dapo_math --out data/dapo_math/train.parquet
-    python scripts/prepare_data.py --task math500 --out data/math500/test.parquet
-    python scripts/prepare_data.py --task reasoning_gym_hard --split train --size 20000 --out data/rg_hard/train.parquet
-    python scripts/prepare_data.py --task reasoning_gym_hard --split eval --size 400 --out data/rg_hard/test.parquet
-    python scripts/prepare_data.py --task reasoning_gym --set reasoning_gym.datasets=[gcd,lcm] --out data/gcd.parquet
+    python scripts/tools/prepare_data.py --task dapo_math --out data/dapo_math/train.parquet
+    python scripts/tools/prepare_data.py --task math500 --out data/math500/test.parquet
+    python scripts/tools/prepare_data.py --task reasoning_gym_hard --split train --size 20000 \\
+        --out data/rg_hard/train.parquet
+    python scripts/tools/prepare_data.py --task reasoning_gym_hard --split eval --size 400 \\
+        --out data/rg_hard/test.parquet
+    python scripts/tools/prepare_data.py --task reasoning_gym --set reasoning_gym.datasets=[gcd,lcm] \\
+        --out data/gcd.parquet
 
 Tasks: `dapo_math` (train split of --source, default BytedTsinghua-SIA/DAPO-Math-17k), `math500` (eval split of
 --source, default HuggingFaceH4/MATH-500), `reasoning_gym_hard` (the hard Reasoning-Gym mixture), or any registered

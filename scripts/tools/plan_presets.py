@@ -1,9 +1,9 @@
 """The memory plan of the paper's presets on one 8×H100-80GB node (4 train + 4 rollout GPUs): dense vs LoGRA vs
 LoRA, what fits and with what margin, and what the tail residual buys in vLLM's KV cache (issue 14).
 
-    .venv/bin/python scripts/plan_presets.py [--gpu-gib 80] [--host-gib 1800] [--out bench_results/plan_presets.json]
+    .venv/bin/python scripts/tools/plan_presets.py [--gpu-gib 80] [--host-gib 1800] [--out FILE]
 
-Runs anywhere (no GPU): the models are their configs alone (scripts/shapes.py), planned as `logra-plan
+Runs anywhere (no GPU): the models are their configs alone (logra_rl/models/shapes.py), planned as `logra-plan
 +experiment=NAME model.path=DIR cluster.device=cuda cluster.gpu_memory_gib=80` would. Prints markdown tables.
 """
 
@@ -15,22 +15,17 @@ import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
-from shapes import GEMMA3_27B, QWEN25_1P5B, QWEN25_7B, write_model
 
 from logra_rl.config import RunConfig
+from logra_rl.logra.merge import residual_bytes
 from logra_rl.models.footprint import model_footprint
-from logra_rl.orchestration.memory_plan import (
-    CUDA_CONTEXT_GIB,
-    GIB,
-    RESIDUAL_BYTES,
-    VLLM_ACTIVATION_GIB,
-    Machine,
-    plan_memory,
-    with_changes,
-)
+from logra_rl.models.shapes import GEMMA3_27B, QWEN25_1P5B, QWEN25_7B, write_model
+from logra_rl.orchestration.memory_plan import CUDA_CONTEXT_GIB, Machine, plan_memory, with_changes
+from logra_rl.rollout.vllm_engine import VLLM_ACTIVATION_GIB
+from logra_rl.train.optimizers import UPDATE_RULES
+from logra_rl.utils.memory import GIB
 
 PRESETS = {"dapo_math_1p5b": QWEN25_1P5B, "dapo_math_7b": QWEN25_7B, "reasoning_gym_hard_27b": GEMMA3_27B}
-OPTIMIZERS = ("logra", "dense", "lora")
 
 
 def preset_config(name: str, model_dir: Path) -> RunConfig:
@@ -42,12 +37,12 @@ def preset_config(name: str, model_dir: Path) -> RunConfig:
 def kv_room(config: RunConfig, model_dir: Path, residual: str, gpu: float) -> tuple[float, float, float, float]:
     """(the residual's GiB per rollout GPU, the largest gpu_memory_utilization that leaves room for it beside
     vLLM, vLLM's KV cache then in GiB per GPU, and in tokens)."""
-    model = model_footprint(str(model_dir), config.logra.target_modules, "bfloat16")
+    model = model_footprint(str(model_dir), config.model.target_modules, "bfloat16")
     tp = config.rollout.gpus_per_engine
-    residual_bytes = RESIDUAL_BYTES[residual] * model.target_params / tp
-    utilization = (gpu - residual_bytes - CUDA_CONTEXT_GIB * GIB) / gpu
+    residual_gpu = residual_bytes(residual, config.rollout.dtype) * model.target_params / tp
+    utilization = (gpu - residual_gpu - CUDA_CONTEXT_GIB * GIB) / gpu
     kv = utilization * gpu - 2 * model.params / tp - VLLM_ACTIVATION_GIB * GIB
-    return residual_bytes / GIB, utilization, kv / GIB, kv / model.kv_bytes_per_token(2, tp)
+    return residual_gpu / GIB, utilization, kv / GIB, kv / model.kv_bytes_per_token(2, tp)
 
 
 def main() -> None:
@@ -64,7 +59,7 @@ def main() -> None:
         for preset, shape in PRESETS.items():
             model_dir = write_model(shape, Path(scratch) / preset, weights=False)
             config = preset_config(preset, model_dir)
-            for optimizer in OPTIMIZERS:
+            for optimizer in UPDATE_RULES:
                 plan = plan_memory(with_changes(config, optimizer={"name": optimizer}), str(model_dir), machine)
                 needs = {b.device: b.need / GIB for b in plan.budgets}
                 train = plan.processes[0]

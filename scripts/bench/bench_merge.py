@@ -2,7 +2,7 @@
 """Time of one payload's way into a rollout copy: parse (`from_bytes`) and merge (`PayloadMerger.apply`), with
 the shipped defaults (bf16 weights, the int16 `tail` residual), on one Qwen2.5-7B-shaped decoder layer.
 
-    .venv/bin/python scripts/bench_merge.py [--rank 256] [--chunk-rows 0 256] [--repeats 3] [--out FILE]
+    .venv/bin/python scripts/bench/bench_merge.py [--rank 256] [--chunk-rows 0 256] [--repeats 3] [--out FILE]
 
 `--chunk-rows 0` is the default sizing (`merge_chunk_rows: 0`: about 2^24 elements a chunk); 256 is the old
 fixed default. Every variant must leave the same bits (checked against the first). Run it against another
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from logra_rl.logra import PayloadEntry, PayloadMerger, UpdatePayload, hf_targets, make_projection, projection_seed
 from logra_rl.logra.projection import projection_fingerprint
+from logra_rl.utils.timing import timed
 
 # Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query / 4 KV heads of 128
 SHAPES = {
@@ -65,12 +65,9 @@ def run(rank: int, chunk_rows: int, repeats: int) -> tuple[dict, dict[str, torch
     parse_s, merge_s = [], []
     for _ in range(repeats):
         merger = PayloadMerger(hf_targets(weights(), "tail"), chunk_rows=chunk_rows)
-        start = time.perf_counter()
-        payload = UpdatePayload.from_bytes(wire)
-        parse_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        merger.apply(payload)
-        merge_s.append(time.perf_counter() - start)
+        payload, seconds = timed(lambda: UpdatePayload.from_bytes(wire))
+        parse_s.append(seconds)
+        merge_s.append(timed(lambda m=merger, p=payload: m.apply(p))[1])
     result = {name: target.weight.clone() for name, target in merger.targets.items()}
     result.update({f"{name}.tail": target.residual.clone() for name, target in merger.targets.items()})
     row = {"rank": rank, "chunk_rows": chunk_rows, "payload_mib": len(wire) / 2**20}

@@ -2,7 +2,7 @@
 """Peak host memory of sampled-token log-probs and of the KL probe, with full logits and through the LM head
 in chunks, at a real vocabulary (issue 14).
 
-    .venv/bin/python scripts/bench_logprobs.py [--tokens 4096] [--layers 2] [--out bench_results/logprobs.json]
+    .venv/bin/python scripts/bench/bench_logprobs.py [--tokens 4096] [--layers 2] [--out bench_results/logprobs.json]
 
 The model is Qwen2.5-1.5B's shape (vocab 151,936, hidden 1536, tied embeddings) cut to `--layers` decoder
 layers, fp32, random weights: the logits and their gradients are what the comparison is about, and they depend
@@ -21,20 +21,19 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from shapes import QWEN25_1P5B
 
 from logra_rl.logra import jvp_kl
+from logra_rl.models.shapes import QWEN25_1P5B
 from logra_rl.rl import head_logprobs, token_logprobs
-from logra_rl.utils.memory import rss_bytes
+from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
+from logra_rl.utils.timing import timed
 
-GIB = 2**30
 VARIANTS = ("train_full", "train_chunked", "probe_full", "probe_chunked")
 CHILD_PREFIX = "BENCH_CHILD "
 ROWS = 4
@@ -56,23 +55,16 @@ def low_rank_step(model: torch.nn.Module, rank: int = 64) -> list[tuple[torch.nn
     return step
 
 
-def reset_peak() -> None:
-    """Restart the kernel's peak-RSS count (VmHWM) so the model's construction is not in it (Linux)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_bytes() -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
 def run_variant(variant: str, tokens: int, layers: int) -> dict:
     torch.set_grad_enabled(variant.startswith("train"))
     model = model_of(layers)
     ids = torch.randint(0, model.config.vocab_size, (ROWS, tokens // ROWS), generator=torch.Generator().manual_seed(1))
-    baseline = rss_bytes()
-    reset_peak()
-    start = time.perf_counter()
+    baseline = reset_peak_rss()  # the model's construction is not in the peak
+    _, seconds = timed(lambda: run_once(variant, model, ids))
+    return {"variant": variant, "peak_above_model_gib": (peak_rss_since_reset() - baseline) / GIB, "seconds": seconds}
+
+
+def run_once(variant: str, model: torch.nn.Module, ids: torch.Tensor) -> None:
     if variant == "train_full":
         token_logprobs(model(input_ids=ids).logits, ids, 1.0).sum().backward()
     elif variant == "train_chunked":
@@ -89,8 +81,6 @@ def run_variant(variant: str, tokens: int, layers: int) -> dict:
             hidden = lambda x: model.model(input_ids=x).last_hidden_state  # noqa: E731
             total = jvp_kl(hidden, ids, mask, low_rank_step(model), 1.0, head=model.lm_head).total
         assert torch.isfinite(total)
-    seconds = time.perf_counter() - start
-    return {"variant": variant, "peak_above_model_gib": (peak_bytes() - baseline) / GIB, "seconds": seconds}
 
 
 def main() -> None:

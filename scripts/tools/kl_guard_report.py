@@ -1,10 +1,10 @@
 """How well did the KL trust region hold, and what did it cost? A table and JSON from finished run directories.
 
     logra-train -m trainer.seed=1,2,3,4,5 trainer.run_name=guard     # five quickstart seeds, one directory each
-    .venv/bin/python scripts/kl_guard_report.py outputs/quickstart/guard_*  --out bench_results/kl_guard.json
+    .venv/bin/python scripts/tools/kl_guard_report.py outputs/quickstart/guard_*  --out bench_results/kl_guard.json
 
 Per run, from `metrics.jsonl` and `config.yaml` only:
-- the bound: committed steps whose `actor/kl_realized` exceeds `logra.kl.max_overshoot` × `logra/kl_budget`
+- the bound: committed steps whose `train/kl_realized` exceeds `logra.kl.max_overshoot` × `logra/kl_budget`
   (for runs from before the guard, the same count against the 1.5 default), and updates the guard refused;
 - the prediction's calibration: realised / predicted KL at the proposed α (median, 90th percentile, max), from
   `logra/kl_realized_over_predicted`, or for older runs realised over predicted at the committed α (then the same);
@@ -44,12 +44,12 @@ def summarize(run: Path) -> dict[str, Any]:
     records, overshoot = loaded.records, loaded.max_overshoot
     steps = [r for r in records if r.get("reward/mean") is not None]
     rewards = [r["reward/mean"] for r in steps]
-    committed = [r for r in steps if r.get("actor/kl_realized") is not None and r.get("logra/kl_budget")]
-    over = [r["step"] for r in committed if r["actor/kl_realized"] > overshoot * r["logra/kl_budget"]]
+    committed = [r for r in steps if r.get("train/kl_realized") is not None and r.get("logra/kl_budget")]
+    over = [r["step"] for r in committed if r["train/kl_realized"] > overshoot * r["logra/kl_budget"]]
     calibration = [
         r["logra/kl_realized_over_predicted"]
         if r.get("logra/kl_realized_over_predicted") is not None
-        else r["actor/kl_realized"] / r["logra/kl_predicted"]
+        else r["train/kl_realized"] / r["logra/kl_predicted"]
         for r in committed
         if r.get("logra/kl_realized_over_predicted") is not None
         or (r.get("logra/kl_predicted") and "logra/line_search_tries" not in r)  # a run from before the guard
@@ -66,7 +66,7 @@ def summarize(run: Path) -> dict[str, Any]:
         "over_bound": len(over),
         "over_bound_steps": over,
         "worst_realized_over_budget": max(
-            (r["actor/kl_realized"] / r["logra/kl_budget"] for r in committed), default=None
+            (r["train/kl_realized"] / r["logra/kl_budget"] for r in committed), default=None
         ),
         "refused": int(sum(r.get("logra/overshoot_refused") or 0 for r in steps)),
         "calibration_median": statistics.median(calibration) if calibration else None,

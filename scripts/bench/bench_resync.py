@@ -1,10 +1,10 @@
 """Host memory and time of a full resync (trainer fp32 master → rollout engines) by bucket size.
 
-    .venv/bin/python scripts/bench_resync.py [--layers 24] [--hidden 1024] [--out bench_results/resync_bench.json]
+    .venv/bin/python scripts/bench/bench_resync.py [--layers 24] [--hidden 1024] [--out bench_results/resync_bench.json]
 
 Runs the real Controller through Ray on CPU: 2 FSDP2 train workers, 1 HF engine, a Qwen3-shaped
 model (24 layers of hidden 1024 by default: 167M parameters, 0.67 GB in fp32). For each
-`rollout.resync_bucket_mb` it resets every process's peak RSS (Linux `clear_refs`), runs full
+`sync.bucket_mb` it resets every process's peak RSS (Linux `clear_refs`), runs full
 resyncs, and reports how far each process's peak rose above its resident size before the resync,
 plus the seconds per resync and the drift after it (0: the engine holds bf16(master) exactly).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -26,8 +25,8 @@ from logra_rl.config import RunConfig
 from logra_rl.data import quickstart
 from logra_rl.models.tiny import char_tokenizer, tiny_model
 from logra_rl.orchestration.controller import Controller
-
-GIB = 2**30
+from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
+from logra_rl.utils.timing import timed
 
 
 def ray_processes(class_name: str) -> list[psutil.Process]:
@@ -37,19 +36,6 @@ def ray_processes(class_name: str) -> list[psutil.Process]:
     ]
 
 
-def reset_peak(process: psutil.Process) -> int:
-    """Reset the process's peak RSS to its current RSS (Linux: `echo 5 > /proc/PID/clear_refs`); returns it."""
-    Path(f"/proc/{process.pid}/clear_refs").write_text("5")
-    return process.memory_info().rss
-
-
-def peak_rss(process: psutil.Process) -> int:
-    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {process.pid}")
-
-
 def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]:
     with initialize_config_module(config_module="logra_rl.configs", version_base=None):
         cfg = compose(
@@ -57,7 +43,7 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
             overrides=[
                 "model=hf",
                 f"model.path={model_dir}",
-                f"rollout.resync_bucket_mb={bucket_mb}",
+                f"sync.bucket_mb={bucket_mb}",
                 "logger.progress=false",
             ],
         )
@@ -67,14 +53,14 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
         try:
             processes = {"train": ray_processes("TrainWorker"), "engine": ray_processes("HFEngine")}
             processes["driver"] = [psutil.Process()]
-            before = {role: [reset_peak(p) for p in procs] for role, procs in processes.items()}
-            start = time.perf_counter()
-            for _ in range(repeats):
-                moved = controller.weight_sync.full_resync(controller.policy_version)
-            seconds = (time.perf_counter() - start) / repeats
+            before = {role: [reset_peak_rss(p.pid) for p in procs] for role, procs in processes.items()}
+            resyncs, seconds = timed(
+                lambda: [controller.weight_sync.full_resync(controller.policy_version) for _ in range(repeats)]
+            )
+            moved, seconds = resyncs[-1], seconds / repeats
             drift = controller.weight_sync.drift(step=0)
             rise = {
-                role: max(peak_rss(p) - b for p, b in zip(procs, before[role], strict=True))
+                role: max(peak_rss_since_reset(p.pid) - b for p, b in zip(procs, before[role], strict=True))
                 for role, procs in processes.items()
             }
             buckets = len(controller.weight_sync.buckets)

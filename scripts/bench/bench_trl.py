@@ -1,6 +1,6 @@
 """logra_rl against TRL's GRPOTrainer on the same small job, run one after the other (issue 13).
 
-    .venv/bin/python scripts/bench_trl.py [--runs trl_dense,trl_lora,dense,logra,lora] [--steps 6]
+    .venv/bin/python scripts/bench/bench_trl.py [--runs trl_dense,trl_lora,dense,logra,lora] [--steps 6]
         [--task products|basic_arithmetic] [--override KEY=VALUE ...] [--out bench_results/trl_comparison.json]
 
 The job: SmolLM2-135M-Instruct, reasoning-gym one-digit products (the smollm2 preset's task, answers in
@@ -9,7 +9,7 @@ The job: SmolLM2-135M-Instruct, reasoning-gym one-digit products (the smollm2 pr
 runs `logra-train +experiment=smollm2` with the HF engine, fp32 rollout weights and no residual and
 otherwise its defaults (threads, microbatches, cluster); TRL 1.16.0 runs with its defaults (gradient
 checkpointing on) in its own throwaway environment, built here on first use (~/.cache/logra_rl/bench),
-with the project's torch and transformers versions; scripts/trl_grpo_job.py is its side. Both get prompts
+with the project's torch and transformers versions; scripts/bench/trl_grpo_job.py is its side. Both get prompts
 of the same task built by logra_rl's data code.
 
 Per run: the median seconds per step (the first step left out: it warms up), generation (TRL: completions
@@ -31,28 +31,28 @@ from pathlib import Path
 import torch
 import transformers
 from hydra import compose, initialize_config_module
-from process_memory import run_measured
 from rich.console import Console
 from rich.table import Table
 
 from logra_rl.config import RunConfig
 from logra_rl.data import load_task
 from logra_rl.models.loading import resolve_model_path
+from logra_rl.utils.memory import run_measured
 
 TRL_VERSION = "1.16.0"
 TRL_VENV = Path.home() / ".cache" / "logra_rl" / "bench" / f"trl-{TRL_VERSION}"
 JOB = [
     "+experiment=smollm2",
-    "rollout=hf",
+    "rollout.backend=hf",
     "cluster.train_workers=1",
     "rollout.dtype=float32",
-    "rollout.residual=none",
+    "sync.residual=none",
     "model.compute_dtype=float32",
     "rollout.temperature=1.0",
     "trainer.prompts_per_step=8",
     "rollout.n=4",
     "data.max_response_length=64",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "trainer.checkpoint_every=0",
     "logger.progress=false",
     "logger.plot=false",
@@ -132,7 +132,7 @@ def run_logra(optimizer: str, job: list[str], work: Path) -> dict:
         "process_peaks_gib": measured.peaks_by_label(),
         "wall_s": measured.wall_s,
         "reward_mean": statistics.fmean(r["reward/mean"] for r in records),
-        "skipped_updates": sum(r.get("actor/skipped", 0.0) for r in records),
+        "skipped_updates": sum(r.get("train/skipped", 0.0) for r in records),
         "phases_s": phases,
         "train_peak_gib": max(r.get("memory/train_peak_gib", 0.0) for r in records),
     }

@@ -1,6 +1,6 @@
 """Bytes and time to bring a rollout copy up to date after one training step, three ways.
 
-    .venv/bin/python scripts/bench_sync.py [--out bench_results/sync_bench.json]
+    .venv/bin/python scripts/bench/bench_sync.py [--out bench_results/sync_bench.json]
 
 - LoGRA payload: `seed + factor` (Σ d_out·r·2 bytes), serialised, parsed and merged in place
   into a bf16 copy with an fp32 residual.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,14 +39,9 @@ from logra_rl.logra import (
     projection_seed,
 )
 from logra_rl.models.tiny import build_quickstart_model
+from logra_rl.utils.timing import timed
 
 MIB = 2**20
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def sparse_delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, tuple]:
@@ -77,19 +71,17 @@ def compare(
     merger = PayloadMerger(hf_targets({name: copy[k] for name, k in key.items()}))
     merger.resync({name: master_before[k] for name, k in key.items()}, version=payload.base_version)
     wire = payload.to_bytes()
-    logra_s = seconds(payload.to_bytes) + seconds(lambda: merger.apply(UpdatePayload.from_bytes(wire)))
+    logra_s = timed(payload.to_bytes)[1] + timed(lambda: merger.apply(UpdatePayload.from_bytes(wire)))[1]
     assert all(torch.equal(copy[k], after[k]) for k in key.values())  # the merge lands exactly on bf16(master)
 
     # full bf16 weights
     engine = {name: w.clone() for name, w in before.items()}
-    full_s = seconds(lambda: [engine[n].copy_(master_after[n].to(torch.bfloat16)) for n in engine])
+    _, full_s = timed(lambda: [engine[n].copy_(master_after[n].to(torch.bfloat16)) for n in engine])
 
     # exact sparse bf16 delta: the trainer diffs, the engine scatters
-    start = time.perf_counter()
-    delta = sparse_delta(before, after)
-    diff_s = time.perf_counter() - start
+    delta, diff_s = timed(lambda: sparse_delta(before, after))
     sparse_engine = {name: w.clone() for name, w in before.items()}
-    apply_s = seconds(lambda: [sparse_engine[n].view(-1).index_put_((i.long(),), v) for n, (i, v) in delta.items()])
+    _, apply_s = timed(lambda: [sparse_engine[n].view(-1).index_put_((i.long(),), v) for n, (i, v) in delta.items()])
     changed = sum(len(i) for i, _ in delta.values())
     assert all(torch.equal(sparse_engine[n], after[n]) for n in after)
     return {

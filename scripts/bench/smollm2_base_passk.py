@@ -4,7 +4,7 @@ An RL run can only learn where the base model sometimes succeeds: this samples k
 vLLM (the same prompts, chat template and graders as a run) and prints pass@1, pass@k and the share of
 prompts with mixed outcomes (where GRPO has a signal). Run it in the vLLM environment:
 
-    .venv-vllm/bin/python scripts/smollm2_base_passk.py [--prompts 48] [--k 8] [--out bench_results]
+    .venv-vllm/bin/python scripts/bench/smollm2_base_passk.py [--prompts 48] [--k 8] [--out bench_results]
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
+
+from logra_rl.utils.timing import timed
 
 # (name, dataset, generator kwargs, answer format, reward)
 CANDIDATES = [
@@ -55,9 +56,8 @@ def main() -> None:
         spec = {"datasets": [dataset], "config": {dataset: kwargs}, "answer_format": answer_format}
         data = DataConfig(task="reasoning_gym", reward=reward, train_size=1, eval_size=args.prompts, reasoning_gym=spec)
         prompts = load_workload(data, model).eval
-        start = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], sampling, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        requests = [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts]
+        outputs, seconds = timed(lambda r=requests: llm.generate(r, sampling, use_tqdm=False))
         grade = get_reward_function(reward)
         scores = [
             [grade(sample.text, p.example.answer, p.example.metadata) >= 1.0 for sample in output.outputs]

@@ -1,0 +1,53 @@
+"""The benchmarks' and the GPU check's measurements (logra_rl/utils/memory.py, timing.py): a peak since a reset
+sees an allocation made after it, a command's process tree is sampled with each process's own peak, and `timed`
+returns the call's result and its seconds."""
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from logra_rl.utils.memory import (
+    RssSampler,
+    cuda_peak_bytes,
+    peak_rss_since_reset,
+    reset_peak_rss,
+    run_measured,
+)
+from logra_rl.utils.timing import timed
+
+MIB = 2**20
+
+
+def test_timed_returns_the_result_and_the_seconds():
+    result, seconds = timed(lambda: time.sleep(0.05) or 7)
+    assert result == 7 and 0.05 <= seconds < 1.0
+
+
+def test_a_peak_since_a_reset_sees_a_later_allocation_and_the_sampler_its_samples():
+    sampler = RssSampler(interval_s=0.001)
+    sampler.start()
+    baseline = reset_peak_rss()
+    block = torch.ones(256 * MIB // 4)  # 256 MiB, touched
+    rise = peak_rss_since_reset() - baseline
+    time.sleep(0.02)
+    sampler.stop()
+    del block
+    assert 240 * MIB <= rise <= 400 * MIB
+    assert max(sampler.samples) - min(sampler.samples) >= 240 * MIB
+
+
+def test_a_commands_process_tree_is_sampled_per_process(tmp_path):
+    child = "import time; block = bytearray(300 * 2**20); time.sleep(0.6)"  # 300 MiB of private memory
+    measured = run_measured([sys.executable, "-c", child], tmp_path / "child.log")
+    label = Path(sys.executable).name  # a python command without a script
+    peaks = measured.process_peaks(label)
+    assert measured.wall_s >= 0.6 and len(peaks) == 1
+    assert 0.29 <= peaks[0] <= 0.45, peaks  # GiB: the bytearray and the interpreter
+    assert measured.peaks_by_label() == {label: peaks[0]}
+
+
+def test_cuda_peak_is_nan_off_cuda():
+    assert math.isnan(cuda_peak_bytes(torch.device("cpu")))
