@@ -25,8 +25,6 @@ DEFAULT_REWARD = "math"
 
 @register_task("files")
 def load_files_task(config: DataConfig) -> Task:
-    if not config.train_files:
-        raise ValueError("task 'files' needs data.train_files, e.g. data.train_files=[data/train.parquet]")
     get_reward_function(config.reward or DEFAULT_REWARD)
     train = [e for path in config.train_files for e in _read_examples(path, config)]
     if config.val_files:

@@ -79,7 +79,7 @@ def test_missing_file_is_named(tmp_path):
         load_task(_files_config(train_files=[missing]))
     with pytest.raises(ValueError, match="unsupported extension"):
         load_task(_files_config(train_files=[str(tmp_path / "data.csv")]))
-    with pytest.raises(ValueError, match=r"needs data\.train_files"):
+    with pytest.raises(ValueError, match=r"data\.train_files is required by the chosen config \(data\.task is files\)"):
         load_task(_files_config())
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"empty\.jsonl has no records"):

@@ -29,6 +29,8 @@ def test_timed_returns_the_result_and_the_seconds():
 def test_a_peak_since_a_reset_sees_a_later_allocation_and_the_sampler_its_samples():
     sampler = RssSampler(interval_s=0.001)
     sampler.start()
+    while not sampler.samples:  # a level from before the allocation (the thread's first sample can come late)
+        time.sleep(0.001)
     baseline = reset_peak_rss()
     block = torch.ones(256 * MIB // 4)  # 256 MiB, touched
     rise = peak_rss_since_reset() - baseline
