@@ -227,3 +227,38 @@ def test_a_second_interrupt_exits_at_once_without_a_traceback(tmp_path, quicksta
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGINT and "Traceback" not in stderr, stderr[-3000:]
     assert "SIGINT: stopping at the next safe point" in stderr
+
+
+def test_a_signal_during_an_eval_stops_the_run_within_seconds(tmp_path, quickstart_model, monkeypatch):
+    """The eval changes nothing a checkpoint holds, so a signal drops it: the run stops within seconds with the
+    checkpoint of the step it reached, instead of after an eval that here would grade for 20 minutes (every answer
+    hangs 60 s; before, the run waited for the eval to end)."""
+    marker = tmp_path / "grading"
+    monkeypatch.setenv("LOGRA_TEST_MARKER", str(marker))  # the reward touches it: the step-0 eval is grading
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # the reward lives in tests/
+    args = [
+        "model=hf",
+        f"model.path={quickstart_model}",
+        "logra=quickstart",
+        "eval.every=1",
+        "trainer.total_steps=4",
+        "data.reward=tests.orchestration.slow_reward:marks_then_hangs",
+        "trainer.grader_timeout_s=120",
+        "trainer.run_name=eval_signal",
+        "logger.progress=false",
+        "logger.plot=false",
+    ]
+    process = launch(args, tmp_path)
+    deadline = time.time() + 300
+    while not marker.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), process.communicate(timeout=60)[1][-3000:]
+    signalled = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert time.perf_counter() - signalled < 30, stderr[-3000:]  # one answer alone would hang 60 s
+    assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert "interrupted by SIGTERM at step 0" in stderr
+    run_dir = tmp_path / "outputs/quickstart/eval_signal"
+    assert (run_dir / "checkpoints/step_0/controller.json").exists()
+    assert not (run_dir / "metrics.jsonl").exists() or metrics(run_dir) == []  # no step was recorded

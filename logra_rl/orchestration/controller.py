@@ -34,7 +34,7 @@ from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import converts_exactly, resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import GroupLost, start_ray
 from logra_rl.orchestration.memory_plan import check_memory, machine_of
-from logra_rl.orchestration.preemption import Preemption
+from logra_rl.orchestration.preemption import Interrupted, Preemption
 from logra_rl.orchestration.rollout_group import RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
@@ -54,10 +54,6 @@ from logra_rl.utils.timing import Timer
 
 class TrainFailure(RuntimeError):
     """The train group was lost more often than `trainer.max_restarts` allows."""
-
-
-class StepAbandoned(Exception):
-    """A signal arrived while the step generated: the step stops before it trains anything."""
 
 
 class Controller:
@@ -175,19 +171,17 @@ class Controller:
 
     def run_step(self, step: int) -> None:
         """One step as the loop runs it: its eval (every E steps), the step, its record, its checkpoint (every
-        C steps); a signal stops it at the step's start or after its generation."""
+        C steps). A signal stops it at the step's start, or at once during its eval or its generation (neither
+        changes what the checkpoint of the step's start holds), or after its generation."""
         trainer = self.config.trainer
         before = self.driver_state(step)
-        if self.preemption.requested:
-            self.stop(before)
         metrics = dict(self.startup) if step == self.start_step else {}
-        if self.config.eval.every and step % self.config.eval.every == 0:
-            metrics.update(self.weight_sync.retried(lambda: self.evaluator.evaluate(step)))
-            if self.preemption.requested:  # the eval changed nothing: stop before the step
-                self.stop(before)
         try:
+            if self.config.eval.every and step % self.config.eval.every == 0:
+                with self.preemption.interruptible():
+                    metrics.update(self.weight_sync.retried(lambda: self.evaluator.evaluate(step)))
             metrics.update(self.step(step))
-        except StepAbandoned:
+        except Interrupted:
             self.stop(before)
         self.metrics.log(step, metrics)
         if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
@@ -251,9 +245,10 @@ class Controller:
             with timer("rollout"):
                 seed = stream_seed(self.config.trainer.seed, step, ROLLOUT_STREAM)
                 ids = [p.token_ids for p in prompts]
-                completions = self.weight_sync.retried(lambda: self.rollout.generate(ids, self.sampling(), seed))
-            if self.preemption.requested:  # nothing has trained yet: the step can be run again from its start
-                raise StepAbandoned(step)
+                with self.preemption.interruptible():  # nothing has trained yet: the step runs again from its start
+                    completions = self.weight_sync.retried(lambda: self.rollout.generate(ids, self.sampling(), seed))
+            if self.preemption.requested:  # a signal just after the generation: still nothing trained
+                raise Interrupted(self.preemption.name)
             with timer("reward"):
                 rewards, reward_metrics = self.grader.grade(prompts, completions)  # 2. rewards
             baseline = self.baseline.value

@@ -1,7 +1,9 @@
 """SIGTERM and SIGINT as a request to stop: what SLURM, Kubernetes and Ctrl-C send before they kill a job.
 
 The first signal is only noted; the step loop looks at it at its safe points (a step's start, and after the
-step's generation, before anything trains) and stops there with a checkpoint of the step it reached. A second
+step's generation, before anything trains) and stops there with a checkpoint of the step it reached. Inside
+`interruptible()` (an eval, a step's generation: work that changes no state a checkpoint holds) the first signal
+also raises `Interrupted` at once, so a slow eval cannot outlast a preemption's grace period. A second
 signal exits at once, unless the run is already shutting down (Ray and the workers): then that shutdown is the
 quickest way out, and an exit raised inside it (often inside a finalizer) would only print a traceback and leave
 processes behind. No signal ever prints a traceback.
@@ -13,9 +15,17 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType, TracebackType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """A signal arrived inside `Preemption.interruptible()`: the work it interrupted is to be abandoned. A
+    BaseException, as KeyboardInterrupt is: the code it interrupts (a grading pool's `except Exception`, which
+    scores a failed item 0) must not take it for an error of its own."""
 
 
 class Preemption:
@@ -24,7 +34,20 @@ class Preemption:
     def __init__(self) -> None:
         self.signal: int | None = None
         self.shutting_down = False  # set by the run once it has begun to stop its processes
+        self._interruptible = False
         self._previous: dict[int, object] = {}
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Work that may be dropped when a signal comes (it changes nothing a checkpoint holds): a signal already
+        noted, or one that arrives inside, raises `Interrupted` instead of waiting for the work to end."""
+        if self.requested:
+            raise Interrupted(self.name)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def __enter__(self) -> Preemption:
         self.arm()
@@ -76,3 +99,6 @@ class Preemption:
             "(send it again to exit at once)\n"
         )
         os.write(sys.stderr.fileno(), message.encode())  # not print: the main thread may be inside a write
+        if self._interruptible:
+            self._interruptible = False  # once: what handles it may itself wait on something
+            raise Interrupted(self.name)
