@@ -1,18 +1,18 @@
 """The memory plan: what each process holds, checked before anything starts; a run that cannot fit stops in
 seconds with one line, and `logra-plan` shows the plan without starting anything."""
 
+import dataclasses
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
-from transformers import Gemma3TextConfig
 
 from logra_rl.config import RunConfig
 from logra_rl.models.footprint import Part, model_footprint
+from logra_rl.models.shapes import GEMMA3_27B, write_model
 from logra_rl.orchestration.memory_plan import (
     Machine,
     MemoryPlanError,
@@ -102,18 +102,7 @@ def test_generation_buffers_follow_the_datas_longest_prompt(model_dir):
 @pytest.fixture()
 def gemma3_27b(tmp_path):
     """Gemma 3 27B's text model as a config alone: 62 layers, hidden 5376, vocab 262k, tied embeddings."""
-    config = Gemma3TextConfig(
-        vocab_size=262208,
-        hidden_size=5376,
-        intermediate_size=21504,
-        num_hidden_layers=62,
-        num_attention_heads=32,
-        num_key_value_heads=16,
-        head_dim=128,
-    )
-    config.dtype = torch.bfloat16
-    config.save_pretrained(tmp_path)
-    return str(tmp_path)
+    return str(write_model(dataclasses.replace(GEMMA3_27B, family="gemma3"), tmp_path, weights=False))
 
 
 def test_the_27b_preset_fits_one_h100_node_with_logra_and_not_with_dense(gemma3_27b):
