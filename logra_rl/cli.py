@@ -99,6 +99,7 @@ def _run_setup(
     resolved, notes = migrate_keys(OmegaConf.to_container(cfg, resolve=True))  # old keys in a user's own YAML
     for note in notes:
         print(f"[{program}] {note}")
+    resolved["algorithm"]["staleness_kl"] = config.algorithm.staleness_kl  # null resolves to the bound used
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return config, run_dir, resolved

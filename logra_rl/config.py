@@ -172,6 +172,13 @@ class AlgorithmConfig:
     clip_high: float | None = None
     epochs: int = 1  # passes over the batch per step (PPO); each pass is one optimizer update
     grpo_normalize_std: bool = True
+    # generation and training at the same time: step t trains on a batch sampled by the weights after step
+    # t - 1 - max_staleness (0: the synchronous loop; 1: the engines generate batch t + 1 while batch t trains)
+    max_staleness: int = 0
+    # the largest behaviour KL (policy that sampled a batch -> policy trained on it, per token) a stale batch
+    # may have: past it the batch is sampled again by the current policy before it trains. null: twice what
+    # max_staleness updates held to logra.kl.max_overshoot x the KL budget may move the policy
+    staleness_kl: float | None = None
 
     def __post_init__(self) -> None:
         check(
@@ -191,6 +198,9 @@ class AlgorithmConfig:
         check(self.clip_low is None or 0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "must be in [0, 1)")
         check(self.clip_high is None or self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "must be >= 0")
         check_positive_int("algorithm.epochs", self.epochs)
+        check_non_negative_int("algorithm.max_staleness", self.max_staleness, "0: the synchronous loop")
+        if self.staleness_kl is not None:
+            check_positive("algorithm.staleness_kl", self.staleness_kl)
         check(
             self.epochs == 1 or self.clip_low is not None or self.clip_high is not None,
             "algorithm.epochs",
@@ -229,11 +239,20 @@ class ClusterConfig:
     memory_check: bool = True
     host_memory_gib: float | None = None
     gpu_memory_gib: float | None = None
+    pin_cores: bool = False  # CPU: each group owns its share of the cores all run (false: threads follow the phase)
 
     def __post_init__(self) -> None:
         check_positive_int("cluster.train_workers", self.train_workers)
         check_choice("cluster.device", self.device, DEVICES)
         check_bool("cluster.memory_check", self.memory_check)
+        check_bool("cluster.pin_cores", self.pin_cores)
+        check(
+            not self.pin_cores or self.device == "cpu",
+            "cluster.pin_cores",
+            self.pin_cores,
+            f"pins CPU cores and needs cluster.device=cpu (is {self.device}; on GPUs each group already has its own "
+            "devices): set cluster.device=cpu, or cluster.pin_cores=false",
+        )
         for key in ("host_memory_gib", "gpu_memory_gib"):
             value = getattr(self, key)
             check(
@@ -412,6 +431,22 @@ class RunConfig:
             built["rollout"].n,
             "GRPO compares responses within a group: set rollout.n >= 2",
         )
+        algorithm, kl = built["algorithm"], built["logra"].kl
+        # K updates the guard let through may each move the policy max_overshoot × budget: a bound below that
+        # would refuse batches only as stale as the schedule makes them, and sample them all again
+        moved = max(algorithm.max_staleness, 1) * kl.max_overshoot * max(kl.budget, kl.final_budget)
+        if algorithm.staleness_kl is None:
+            built["algorithm"] = algorithm = dataclasses.replace(algorithm, staleness_kl=2 * moved)
+        elif algorithm.max_staleness and built["optimizer"].name == "logra":
+            check(
+                algorithm.staleness_kl >= moved,
+                "algorithm.staleness_kl",
+                algorithm.staleness_kl,
+                f"is below what algorithm.max_staleness={algorithm.max_staleness} updates may move the policy "
+                f"({algorithm.max_staleness} × logra.kl.max_overshoot={kl.max_overshoot:g} × the KL budget "
+                f"{max(kl.budget, kl.final_budget):g} = {moved:.3g}): every stale batch could be sampled again; "
+                f"raise it to at least {moved:.3g} (twice that leaves room for the engines' numerics)",
+            )
         probe_tokens = built["logra"].kl.probe_max_tokens
         check(
             probe_tokens > built["data"].max_prompt_length,

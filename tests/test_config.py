@@ -202,3 +202,18 @@ def test_bad_values_name_the_key(overrides, message):
 def test_unknown_top_level_key():
     with pytest.raises(ValueError, match=r"unknown top-level key\(s\) \['trainr'\]"):
         RunConfig.from_mapping({"trainr": {}})
+
+
+def test_the_staleness_bound_defaults_to_twice_what_the_stale_updates_may_move_the_policy():
+    """algorithm.staleness_kl null: 2 × max_staleness × logra.kl.max_overshoot × the larger KL budget; a bound a
+    LoGRA run sets below what those updates may move the policy would sample every stale batch again: refused."""
+    quickstart = RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1"]))
+    assert quickstart.algorithm.staleness_kl == pytest.approx(2 * 1 * 1.5 * 0.1)  # budget 1e-1 -> 1e-2
+    smollm2 = RunConfig.from_mapping(compose_with(["+experiment=smollm2", "algorithm.max_staleness=2"]))
+    assert smollm2.algorithm.staleness_kl == pytest.approx(2 * 2 * 1.5 * 4e-2)
+    with pytest.raises(ValueError, match=r"algorithm.staleness_kl=0.1 .* raise it to at least 0.15"):
+        RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1", "algorithm.staleness_kl=0.1"]))
+    dense = ["optimizer=dense", "algorithm.max_staleness=1", "algorithm.staleness_kl=0.01"]
+    assert RunConfig.from_mapping(compose_with(dense)).algorithm.staleness_kl == 0.01  # no KL budget to check
+    with pytest.raises(ValueError, match=r"algorithm\.max_staleness"):
+        RunConfig.from_mapping(compose_with(["algorithm.max_staleness=-1"]))

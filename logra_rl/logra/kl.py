@@ -422,6 +422,25 @@ class KLController:
         self.mismatch = (1 - weight) * self.mismatch + weight * max(0.0, observed)
         return max(budget - self.mismatch, self.config.mismatch_budget_floor * budget)
 
+    def stale_budget(self, update: int, behaviour_kl: float, staleness: int) -> float:
+        """δ_eff for an update from a batch sampled `staleness` updates ago (`algorithm.max_staleness`), whose
+        KL(π_behaviour ‖ π_train) per token is `behaviour_kl`.
+
+        The updates in between were each held to their own budget, so the batch is expected to be about the
+        sum of those budgets away: that part the schedule already granted. What it is beyond them (the guard's
+        overshoot within `max_overshoot`, the engines' numerics, a curved path) is charged like the mismatch,
+        which it contains; the mismatch EMA itself is left as on-policy batches measured it, since a stale
+        batch cannot tell the engines' numerics from its staleness. The floor holds.
+        """
+        budget = scheduled_budget(self.config, update)
+        if not self.config.mismatch_subtraction:
+            return budget
+        if not math.isfinite(behaviour_kl):
+            raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
+        granted = sum(scheduled_budget(self.config, max(update - back, 0)) for back in range(1, staleness + 1))
+        charge = max(self.mismatch, behaviour_kl - granted)
+        return max(budget - charge, self.config.mismatch_budget_floor * budget)
+
     def alpha(self, q: float, budget: float) -> float:
         return step_scale(q, budget, self.config.alpha_max)
 

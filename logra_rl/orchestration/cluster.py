@@ -14,7 +14,8 @@ import subprocess
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from logra_rl.config import RunConfig
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CORES_ENV = "LOGRA_CPU_CORES"  # an actor's pinned cores ("0,1"), set by WorkerGroup with `cores`
 PLACEMENT_TIMEOUT_S = 120
 MIN_OBJECT_STORE_MB = 256
 
@@ -42,6 +44,9 @@ def start_ray(config: RunConfig) -> bool:
 
     `ray.address` unset joins a cluster already running on this node (`RAY_ADDRESS`, else the last `ray start`),
     as a bare `ray.init()` (verl, OpenRLHF) does; `ray.address=local` starts a private Ray beside it."""
+    if config.cluster.pin_cores:  # before Ray: fewer cores than groups stops the run here
+        cores = pinned_cores(config)
+        print(f"[logra] pinned cores (cluster.pin_cores): {describe_cores(cores)}", flush=True)
     if ray.is_initialized():
         return False
     if config.cluster.device != "cpu":
@@ -221,9 +226,11 @@ def check_cuda() -> None:
 def cpu_threads(group: PlacementGroup) -> list[int]:
     """torch threads for each bundle's actor: its node's cores shared by the group's actors on that node.
 
-    The loop is synchronous: the engines generate while the train workers wait, then the train workers
-    compute while the engines wait, so a group in its phase has the node's cores to itself. Ray would start
-    each actor with OMP_NUM_THREADS = its `num_cpus` (1 by default), leaving the other cores idle.
+    Threads follow the phase: in the synchronous loop the engines generate while the train workers wait, then
+    the train workers compute while the engines wait, so a group in its phase has the node's cores to itself.
+    Ray would start each actor with OMP_NUM_THREADS = its `num_cpus` (1 by default), leaving the other cores
+    idle. Where both groups compute at once (`algorithm.max_staleness` > 0), `cluster.pin_cores` gives each
+    group its own cores instead, as GPUs would (`pinned_cores`).
     """
     bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
     node_cpus = {node["NodeID"]: int(node["Resources"].get("CPU", 1)) for node in ray.nodes() if node["Alive"]}
@@ -232,6 +239,94 @@ def cpu_threads(group: PlacementGroup) -> list[int]:
         node_cpus[here] = min(node_cpus[here], len(os.sched_getaffinity(0)))
     sharers = Counter(bundle_nodes.values())
     return [max(1, node_cpus.get(node, 1) // sharers[node]) for _, node in sorted(bundle_nodes.items())]
+
+
+def split_cores(cores: Sequence[int], gpus: Mapping[str, int]) -> dict[str, list[int]]:
+    """`cores` (sorted) cut into contiguous runs, one per group in `gpus`' order, in proportion to each group's
+    (logical) GPUs, each at least one core."""
+    cores, names = sorted(cores), list(gpus)
+    if len(cores) < len(names):
+        raise ValueError(
+            f"cluster.pin_cores=true needs at least {len(names)} cores (one per group: {', '.join(names)}); this "
+            f"process has {len(cores)}: set cluster.pin_cores=false"
+        )
+    total, bounds, seen = sum(gpus.values()), [0], 0
+    for k, name in enumerate(names[:-1], start=1):
+        seen += gpus[name]
+        nearest = (2 * len(cores) * seen + total) // (2 * total)  # round(len(cores) × seen / total)
+        bounds.append(min(max(nearest, bounds[-1] + 1), len(cores) - (len(names) - k)))
+    bounds.append(len(cores))
+    return {name: cores[bounds[k] : bounds[k + 1]] for k, name in enumerate(names)}
+
+
+def actor_cores(cores: Sequence[int], actors: int) -> list[list[int]]:
+    """A group's `cores` among its `actors`: a contiguous share each where there are enough, else all of them
+    for every actor."""
+    cores = list(cores)
+    if len(cores) < actors:
+        return [cores] * actors
+    return [cores[i * len(cores) // actors : (i + 1) * len(cores) // actors] for i in range(actors)]
+
+
+def pinned_cores(config: RunConfig, cores: Sequence[int] | None = None) -> dict[str, list[list[int]]]:
+    """`cluster.pin_cores`: each actor's cores, by group ("train", "rollout"). `cores` (default: this process's,
+    `os.sched_getaffinity`) are split between the groups in proportion to their logical GPUs
+    (cluster.train_workers; rollout.num_engines × rollout.gpus_per_engine), so both groups compute at once
+    without taking each other's cores, as on GPUs. The cores are this node's: for a run on one machine."""
+    groups = {"train": config.cluster.train_workers, "rollout": config.rollout.num_engines}
+    gpus = {
+        "train": config.cluster.train_workers,
+        "rollout": config.rollout.num_engines * config.rollout.gpus_per_engine,
+    }
+    split = split_cores(sorted(os.sched_getaffinity(0)) if cores is None else cores, gpus)
+    return {name: actor_cores(split[name], groups[name]) for name in groups}
+
+
+def describe_cores(cores: Mapping[str, Sequence[Sequence[int]]]) -> str:
+    """One line: "train 0-3 (actors 0-1 | 2-3), rollout 4-7"; "shared" where a group's actors share its cores."""
+
+    def runs(group: Sequence[int]) -> str:
+        spans: list[list[int]] = []
+        for core in sorted(group):
+            if spans and core == spans[-1][1] + 1:
+                spans[-1][1] = core
+            else:
+                spans.append([core, core])
+        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+    parts = []
+    for name, actors in cores.items():
+        union = sorted({core for actor in actors for core in actor})
+        if len(actors) > 1:
+            shared = all(sorted(actor) == union for actor in actors)
+            detail = (
+                f" (shared by its {len(actors)} actors)" if shared else f" (actors {' | '.join(map(runs, actors))})"
+            )
+        else:
+            detail = ""
+        parts.append(f"{name} {runs(union)}{detail}")
+    return ", ".join(parts)
+
+
+def pin_process(cores: Sequence[int]) -> None:
+    """Pin this process, every thread it has and (by inheritance) every thread or process it starts later, to
+    `cores`."""
+    chosen = set(cores)
+    os.sched_setaffinity(0, chosen)
+    for thread in os.listdir("/proc/self/task"):  # sched_setaffinity(0) is the calling thread's alone
+        with suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread), chosen)
+
+
+def pinned(cls: type) -> type:
+    """`cls` whose instances pin their process to the cores in CORES_ENV before their own __init__ runs.
+    (Ray's `worker_process_setup_hook` is a job-level setting only, not an actor's.)"""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        pin_process([int(core) for core in os.environ[CORES_ENV].split(",")])
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
 
 
 class GroupLost(RuntimeError):
@@ -243,7 +338,8 @@ class WorkerGroup:
     built with the keyword arguments `arguments(i)`. Typed clients (TrainGroup, RolloutGroup) call the
     actors' methods and collect the results with `gather`. With `max_restarts`, Ray recreates an actor whose
     process died in the same bundle, with the same arguments (up to that many times). `env(i)` adds to actor i's
-    environment variables."""
+    environment variables. With `cores` (`pinned_cores`), actor i runs on exactly the cores `cores[i]`, with as
+    many torch threads; without, its threads follow the phase (`cpu_threads`)."""
 
     def __init__(
         self,
@@ -255,7 +351,10 @@ class WorkerGroup:
         arguments: Callable[[int], Mapping[str, Any]],
         max_restarts: int = 0,
         env: Callable[[int], Mapping[str, str]] = lambda _: {},
+        cores: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        if cores is not None and len(cores) != count:
+            raise ValueError(f"the {name} group has {count} actors but {len(cores)} core assignments")
         self.name = name
         self.placement_group = placement_group([{"CPU": cpus, "GPU": gpus}] * count, strategy="PACK", name=name)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -265,15 +364,21 @@ class WorkerGroup:
                 f"could not place the {name} group ({count} × {{CPU: {cpus}, GPU: {gpus}}}) within "
                 f"{PLACEMENT_TIMEOUT_S}s; the cluster has {ray.available_resources()}"
             )
-        self.threads = cpu_threads(self.placement_group)
-        actor = ray.remote(cls)
+        self.cores = None if cores is None else [sorted(c) for c in cores]
+        self.threads = cpu_threads(self.placement_group) if self.cores is None else [len(c) for c in self.cores]
+        actor = ray.remote(cls if self.cores is None else pinned(cls))
+
+        def env_vars(i: int) -> dict[str, str]:
+            pin = {} if self.cores is None else {CORES_ENV: ",".join(map(str, self.cores[i]))}
+            return {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i]), **pin, **env(i)}
+
         self.actors = [
             actor.options(
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
                 max_restarts=max_restarts,
-                runtime_env={"env_vars": {**WORKER_ENV, "OMP_NUM_THREADS": str(self.threads[i]), **env(i)}},
+                runtime_env={"env_vars": env_vars(i)},
             ).remote(**arguments(i))
             for i in range(count)
         ]

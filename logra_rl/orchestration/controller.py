@@ -1,6 +1,8 @@
-"""The Controller: the synchronous, on-policy RL step loop (docs/training.md, "The step").
+"""The Controller: the RL step loop (docs/training.md, "The step").
 
-    1. sample prompts → rollout engines generate (token ids + sampling log-probs)
+    1. sample prompts → rollout engines generate (token ids + sampling log-probs); with
+       `algorithm.max_staleness` K ≥ 1 the batch K steps ahead is launched here and generated while this step
+       trains on one generated before (`RolloutSchedule`)
     2. grade → rewards → advantages
     3.–6. the train group: log-probs, policy-gradient loss, backward; all-reduce sketches → RowAdam →
           update ratio; KL probe → α; commit → a StepResult (policy version, metrics, weight update)
@@ -9,7 +11,7 @@
 
 The controller runs in the driver process; the workers are Ray actors behind typed clients
 (`TrainGroup`, `RolloutGroup`). It holds the driver-side state a checkpoint needs besides the
-train group's: the step, the prompt sampler and the running baseline.
+train group's: the step, the prompt sampler, the running baseline and the batches in flight.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import torch
 from rich.console import Console
 
 from logra_rl.config import RunConfig
-from logra_rl.data import PromptSampler, load_workload
+from logra_rl.data import Prompt, PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
 from logra_rl.models.loading import converts_exactly, resolve_model_path, target_shapes
 from logra_rl.orchestration.cluster import GroupLost, start_ray
 from logra_rl.orchestration.memory_plan import check_memory, machine_of
 from logra_rl.orchestration.preemption import Interrupted, Preemption
-from logra_rl.orchestration.rollout_group import RolloutGroup
+from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
+from logra_rl.orchestration.rollout_schedule import Rollout, RolloutSchedule, pack_rollouts, unpack_rollouts
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
 from logra_rl.rewards import RewardPool
@@ -54,6 +57,23 @@ from logra_rl.utils.timing import Timer
 
 class TrainFailure(RuntimeError):
     """The train group was lost more often than `trainer.max_restarts` allows."""
+
+
+class RolloutLost(RuntimeError):
+    """Engines were lost while generating a batch sampled by weights the trainer has moved past (a batch ahead,
+    `algorithm.max_staleness`): no process holds those weights any more, so the run goes back to its last
+    checkpoint, and the replay gives the same records."""
+
+
+ROLLOUTS = "rollouts.pt"  # a checkpoint's batches in flight
+
+
+def read_driver_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's driver state (`Controller.driver_state`), its batches in flight read back."""
+    state = read_controller_state(path)
+    count = state.get("rollouts", 0)  # absent before generation and training overlapped
+    state["rollouts"] = unpack_rollouts(torch.load(Path(path) / ROLLOUTS, weights_only=True)) if count else []
+    return state
 
 
 class Controller:
@@ -94,6 +114,9 @@ class Controller:
             with timer("startup_data"):
                 self.workload = loading.result()
         self.sampler = PromptSampler(self.workload.train, config.data.seed)
+        self.schedule = RolloutSchedule(
+            config.algorithm.max_staleness, self.sampler, config.trainer.prompts_per_step, self.generate
+        )
         with timer("startup_plan"):  # stops here, in seconds, when the run cannot fit
             plan = check_memory(config, model_path, Console(highlight=False), self.workload.longest_prompt, machine)
         with timer("startup_workers"):  # the engines load their weights while the train group loads its own
@@ -138,11 +161,10 @@ class Controller:
                 raise ValueError(f"trainer.resume={resume}: the checkpoint is damaged ({problem})")
         if path is None:
             return None
-        state = read_controller_state(path)
+        state = read_driver_state(path)
         self.policy_version = self.train.load(str(path))
         self.start_step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.baseline.load_state_dict(state["baseline"])
+        self.restore(state)
         print(f"[logra-train] resumed from {path} at step {self.start_step}")
         return path
 
@@ -159,7 +181,7 @@ class Controller:
                     try:
                         self.run_step(step)
                         step += 1
-                    except GroupLost as lost:  # a train worker died or hung: rebuild, replay from a checkpoint
+                    except (GroupLost, RolloutLost) as lost:  # rebuild, replay from a checkpoint
                         step = self.recover(lost)
                 if self.config.eval.every and self.start_step < trainer.total_steps:
                     final = self.weight_sync.retried(lambda: self.evaluator.evaluate(trainer.total_steps))
@@ -187,20 +209,24 @@ class Controller:
         if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
             self.save_checkpoint(self.driver_state(step + 1))
 
-    def recover(self, lost: GroupLost) -> int:
+    def recover(self, lost: GroupLost | RolloutLost) -> int:
         """`rebuild_train_group`, again while the new group is lost too (within trainer.max_restarts)."""
         while True:
             try:
                 return self.rebuild_train_group(lost)
-            except GroupLost as again:
+            except (GroupLost, RolloutLost) as again:
                 lost = again
 
-    def rebuild_train_group(self, lost: GroupLost) -> int:
-        """A new train group in place of a lost one, restored from the newest checkpoint (or the run's start),
-        the engines resynced to it and the records after it dropped; returns the step to run next. The replay
-        is the run it replaces: seeds depend on the step, and the checkpoint holds the weights, the update
-        rule, the sampler and the baseline."""
-        self.train_restarts += 1
+    def rebuild_train_group(self, lost: GroupLost | RolloutLost) -> int:
+        """A new train group in place of a lost one (or of one whose batch in flight was lost with its engines),
+        restored from the newest checkpoint (or the run's start), the engines resynced to it and the records after
+        it dropped; returns the step to run next. The replay is the run it replaces: seeds depend on the step,
+        and the checkpoint holds the weights, the update rule, the sampler, the baseline and the batches in
+        flight. Lost engines count against rollout.max_restarts, lost train groups against trainer.max_restarts."""
+        if isinstance(lost, RolloutLost):
+            self.train.shutdown()  # alive, but ahead of every batch the engines can still sample
+        else:
+            self.train_restarts += 1
         limit = self.config.trainer.max_restarts
         if self.train_restarts > limit:
             raise TrainFailure(f"{lost} (the train group was rebuilt {limit} times: trainer.max_restarts={limit})")
@@ -214,10 +240,9 @@ class Controller:
         self.policy_version = self.train.setup()
         state = self.first_state
         if path is not None:
-            state = read_controller_state(path)
+            state = read_driver_state(path)
             self.policy_version = self.train.load(str(path))
-        self.sampler.load_state_dict(state["sampler"])
-        self.baseline.load_state_dict(state["baseline"])
+        self.restore(state)
         self.weight_sync = WeightSync(self.config, self.train, self.rollout, self.targets)
         self.weight_sync.full_resync(self.policy_version)
         self.metrics.drop_after(state["step"])
@@ -239,40 +264,85 @@ class Controller:
         raise SystemExit(self.preemption.exit_code)
 
     def step(self, step: int) -> dict[str, float]:
-        timer = Timer()
+        timer, started = Timer(), time.monotonic()
         with timer("step"):
-            prompts = self.sampler.next_batch(self.config.trainer.prompts_per_step)  # 1. prompts
-            with timer("rollout"):
-                seed = stream_seed(self.config.trainer.seed, step, ROLLOUT_STREAM)
-                ids = [p.token_ids for p in prompts]
-                with self.preemption.interruptible():  # nothing has trained yet: the step runs again from its start
-                    completions = self.weight_sync.retried(lambda: self.rollout.generate(ids, self.sampling(), seed))
+            last = self.config.trainer.total_steps - 1
+            with timer("rollout"), self.preemption.interruptible():  # nothing has trained: the step runs again
+                self.schedule.launch(step, self.policy_version, last)  # 1. this step's batch, or the one K ahead
+                rollout = self.collect(step)
             if self.preemption.requested:  # a signal just after the generation: still nothing trained
                 raise Interrupted(self.preemption.name)
-            with timer("reward"):
-                rewards, reward_metrics = self.grader.grade(prompts, completions)  # 2. rewards
-            baseline = self.baseline.value
-            advantages = self.advantages(rewards, completions)  # 2. advantages
-            batch = pack_batch(completions, advantages, self.workload.pad_id)
-            with timer("train"):
-                if advantages.any():
-                    result = self.train.train_step(batch, step)  # 3.–6. backward, prepare, probe, commit
-                else:  # no gradient anywhere: an optimizer step could only replay momentum, so none is taken
-                    skipped = {"train/skipped": float(self.config.algorithm.epochs)}
-                    result = StepResult(self.policy_version, skipped, NoChange("every advantage is 0"))
+            baseline, baseline_value = self.baseline.state_dict(), self.baseline.value
+            rewards, reward_metrics, result = self.train_on(rollout, step, timer)  # 2.–6.
+            refused = result.metrics.get("async/refused", 0.0)
+            if refused:  # too stale (algorithm.staleness_kl): sampled again by the current policy, then trained
+                self.baseline.load_state_dict(baseline)
+                self.schedule.relaunch(step, self.policy_version)
+                with timer("rollout"):
+                    rollout = self.collect(step)
+                rewards, reward_metrics, result = self.train_on(rollout, step, timer)
             self.policy_version = result.policy_version
-            with timer("sync"):
-                sync_metrics = self.weight_sync.sync(result.update, result.policy_version, step)  # 7.
+            with timer("rollout_wait"):  # the batches ahead, generated while this step trained
+                ahead = [self.collect(later) for later in sorted(self.schedule.rollouts) if later > step]
+            with timer("sync"):  # 7. (the engines run it after the generations launched before it)
+                sync_metrics = self.weight_sync.sync(result.update, result.policy_version, step)
+        self.schedule.trained(step)
+        seconds = timer.seconds["timing_s/step"]
+        generated = sum(r.generation_s for r in [rollout, *ahead] if r.ended >= started)
         return {
-            **self.rollout_metrics(rewards, completions, baseline),
+            **self.rollout_metrics(rewards, rollout.completions, baseline_value),
             **reward_metrics,
             **result.metrics,
             **sync_metrics,
             **timer.seconds,
-            "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / timer.seconds["timing_s/step"],
+            "async/refused": refused,
+            "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / seconds,
+            "perf/train_busy": timer.seconds["timing_s/train"] / seconds,
+            "perf/rollout_busy": min(1.0, generated / seconds),
             "fault/engine_restarts": float(self.rollout.restarts),
             "fault/train_restarts": float(self.train_restarts),
         }
+
+    def train_on(self, rollout: Rollout, step: int, timer: Timer) -> tuple[torch.Tensor, dict[str, float], StepResult]:
+        """Steps 2–6 on a generated batch: rewards, advantages, and the train group's step."""
+        prompts, completions = rollout.prompts, rollout.completions
+        with timer("reward"):
+            rewards, reward_metrics = self.grader.grade(prompts, completions)  # 2. rewards
+        advantages = self.advantages(rewards, completions)  # 2. advantages
+        batch = pack_batch(completions, advantages, self.workload.pad_id)
+        with timer("train"):
+            if advantages.any():
+                result = self.train.train_step(batch, step)  # 3.–6. backward, prepare, probe, commit
+            else:  # no gradient anywhere: an optimizer step could only replay momentum, so none is taken
+                skipped = {"train/skipped": float(self.config.algorithm.epochs)}
+                result = StepResult(self.policy_version, skipped, NoChange("every advantage is 0"))
+        return rewards, reward_metrics, result
+
+    def collect(self, step: int) -> Rollout:
+        """Batch `step`, generated. Engines lost during its generation are resynced and asked again when the
+        policy that samples it is still the trainer's; when the trainer has moved past it, `RolloutLost`."""
+        while True:
+            try:
+                rollout = self.schedule.wait(step)
+            except EnginesRestarted as restarted:
+                version = self.schedule.rollouts[step].version
+                if version != self.policy_version:
+                    raise RolloutLost(
+                        f"{restarted} while generating batch {step}, sampled by policy version {version}; the "
+                        f"trainer is at {self.policy_version}"
+                    ) from restarted
+                self.weight_sync.full_resync(version, restarted.engines)
+                self.schedule.relaunch(step, version)
+                continue
+            if any(c.policy_version != rollout.version for c in rollout.completions):
+                found = sorted({c.policy_version for c in rollout.completions})
+                raise RuntimeError(f"batch {step} was to be sampled by policy version {rollout.version}: {found}")
+            return rollout
+
+    def generate(self, prompts: list[Prompt], step: int) -> list[Completion]:
+        """The engines' completions for batch `step` (`rollout.n` per prompt), seeded by the step."""
+        seed = stream_seed(self.config.trainer.seed, step, ROLLOUT_STREAM)
+        return self.rollout.generate([p.token_ids for p in prompts], self.sampling(), seed)
 
     def sampling(self) -> SamplingParams:
         rollout = self.config.rollout
@@ -306,15 +376,26 @@ class Controller:
     # ---- checkpoints, the end -------------------------------------------------------------------
 
     def driver_state(self, step: int) -> dict[str, Any]:
-        """What a checkpoint holds of the driver before `step` runs: the step, the sampler, the baseline."""
-        return {"step": step, "sampler": self.sampler.state_dict(), "baseline": self.baseline.state_dict()}
+        """What a checkpoint holds of the driver before `step` runs: the step, the sampler (as the first batch in
+        flight found it), the baseline, and the batches in flight (generated; `max_staleness` of them)."""
+        sampler, rollouts = self.schedule.state()
+        return {"step": step, "sampler": sampler, "baseline": self.baseline.state_dict(), "rollouts": rollouts}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The driver as `driver_state` found it."""
+        self.schedule.load(state["sampler"], state["rollouts"])
+        self.baseline.load_state_dict(state["baseline"])
 
     def save_checkpoint(self, state: dict[str, Any]) -> Path:
         """The train group's state (weights, optimizer, policy version) and the driver's `state`, committed
-        together."""
+        together (the batches in flight as tensors beside controller.json)."""
         path = self.checkpoints.begin(state["step"])
         self.train.save(str(path))
-        path = self.checkpoints.commit(state["step"], state)
+        rollouts = state["rollouts"]
+        if rollouts:
+            torch.save(pack_rollouts(rollouts), path / ROLLOUTS)
+        saved = {key: value for key, value in state.items() if key != "rollouts"} | {"rollouts": len(rollouts)}
+        path = self.checkpoints.commit(state["step"], saved)
         self.committed.append(path)
         return path
 

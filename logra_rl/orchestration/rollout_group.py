@@ -22,7 +22,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.cluster import WorkerGroup
+from logra_rl.orchestration.cluster import WorkerGroup, pinned_cores
 from logra_rl.rollout import Completion, MergeMode, RolloutEngine, SamplingParams, SyncResult
 from logra_rl.rollout.base import EngineSpec
 from logra_rl.rollout.vllm_engine import ENGINE_INDEX
@@ -66,6 +66,7 @@ class RolloutGroup:
             arguments=lambda _: {"spec": spec},
             max_restarts=self.max_restarts,
             env=lambda e: {ENGINE_INDEX: str(e)},  # vLLM: a compile cache per engine (engine_cache_root)
+            cores=pinned_cores(config)["rollout"] if config.cluster.pin_cores else None,
         )
         self.engines = self.workers.actors
         self.restarts = 0  # engines restarted in this run (fault/engine_restarts)

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.cluster import WorkerGroup
+from logra_rl.orchestration.cluster import WorkerGroup, pinned_cores
 from logra_rl.train.api import ResyncBucket, StepResult
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import TrainWorker
@@ -32,6 +32,7 @@ class TrainGroup:
             cpus=config.cluster.cpus_per_worker,
             gpus=1,
             arguments=lambda rank: {"config": config, "model_path": model_path, "rank": rank, "world_size": size},
+            cores=pinned_cores(config)["train"] if config.cluster.pin_cores else None,
         )
         self.actors = self.workers.actors
         self.step_timeout_s = config.trainer.step_timeout_s

@@ -35,6 +35,7 @@ class Completion:
     token_ids: list[int]  # generated tokens, including the end-of-turn token when `finished`
     logprobs: list[float]  # log-probability of each generated token under the sampling distribution
     finished: bool  # ended with end-of-turn (False: cut at max_new_tokens)
+    policy_version: int = -1  # the engine's policy version when it sampled this (-1: not recorded)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class HFEngine(RolloutEngine):
             stops = [i for i, token in enumerate(tokens) if token in self.stop_ids]
             finished = bool(stops)
             length = stops[0] + 1 if finished else len(tokens)
-            completions.append(Completion(prompt, tokens[:length], token_logprobs[:length], finished))
+            completions.append(Completion(prompt, tokens[:length], token_logprobs[:length], finished, self.version))
         return completions
 
     def apply_payload(self, payload: np.ndarray) -> SyncResult:

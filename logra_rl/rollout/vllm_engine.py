@@ -118,6 +118,7 @@ class VLLMEngine(RolloutEngine):
         return parts, notes
 
     def __init__(self, spec: EngineSpec) -> None:
+        self.version = 0  # the policy version its weights hold, as its workers last reported it
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # a RolloutGroup engine's own compile cache; popped, so a second engine in this process nests no deeper
         if (index := os.environ.pop(ENGINE_INDEX, None)) is not None:
@@ -127,8 +128,11 @@ class VLLMEngine(RolloutEngine):
             # Inside a Ray placement group vLLM would pick its Ray executor, which refuses a bundle of several
             # GPUs (and the CPU platform); its multiprocessing executor runs the TP workers in this actor's node.
             tensor_parallel["distributed_executor_backend"] = "mp"
-            if not torch.cuda.is_available():
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size))
+        # on CPU, several TP workers get disjoint cores, and a process pinned to some cores (cluster.pin_cores)
+        # keeps vLLM to them (its own binding would take the node's)
+        pinned = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+        if not torch.cuda.is_available() and (spec.tensor_parallel_size > 1 or pinned):
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(spec.tensor_parallel_size))
         cpu = {}
         if not torch.cuda.is_available():
             # GiB per CPU worker (vLLM's default is a share of the host): what the run's sequences need
@@ -189,7 +193,7 @@ class VLLMEngine(RolloutEngine):
             for sample in output.outputs:
                 tokens = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
-                completions.append(Completion(prompt, tokens, logprobs, sample.finish_reason == "stop"))
+                completions.append(Completion(prompt, tokens, logprobs, sample.finish_reason == "stop", self.version))
         release_free_memory()
         return completions
 
@@ -197,6 +201,7 @@ class VLLMEngine(RolloutEngine):
         """The TP workers' answer: the first refusal (each worker's merger gates itself), else rank 0's."""
         results: list[SyncResult] = self.llm.collective_rpc(method, args=args)
         self.llm.reset_prefix_cache()
+        self.version = min(r.version for r in results)  # what the completions record
         return next((r for r in results if not r.applied), results[0])
 
     def apply_payload(self, payload: np.ndarray) -> SyncResult:

@@ -23,6 +23,8 @@ class TrainBatch:
     advantages: torch.Tensor  # (B,) float
     finished: torch.Tensor  # (B,) bool: the response ended with end-of-turn (Completion.finished)
     old_logprobs: torch.Tensor | None = None  # (B, L): π at the start of the step, for PPO epochs
+    # (B,) long: the policy version that sampled each row (Completion.policy_version); None: the current policy
+    policy_version: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -69,4 +71,7 @@ def pack_batch(completions: Sequence[Completion], advantages: torch.Tensor, pad_
         loss_mask[i, start : len(row)] = 1
         rollout_logprobs[i, start : len(row)] = torch.tensor(c.logprobs)
     finished = torch.tensor([c.finished for c in completions])
-    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, advantages, finished)
+    versions = torch.tensor([c.policy_version for c in completions], dtype=torch.long)
+    return TrainBatch(
+        input_ids, attention_mask, loss_mask, rollout_logprobs, advantages, finished, policy_version=versions
+    )

@@ -56,6 +56,8 @@ class UpdateInputs:
     mismatch_sum: float  # Σ log π_rollout − log π_train over finished responses' tokens (0 after epoch 0)
     mismatch_tokens: int
     probe: Callable[[], KLProbe]  # built only by a rule that measures KL (LoGRA; dense and LoRA with measure_kl)
+    staleness: int = 0  # updates since the policy that sampled the batch (algorithm.max_staleness; 0: this one)
+    behaviour_kl: float = 0.0  # KL(π_behaviour ‖ π_train) per token of such a stale batch
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class UpdateRule(Protocol):
         """Updates committed so far: the policy version."""
 
     def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]: ...
+
+    def discard(self) -> None:
+        """Drop what the backward accumulated (gradients or sketches) without an update."""
 
     def save(self, directory: Path) -> None: ...
 
@@ -202,6 +207,9 @@ class DenseUpdate:
                 metrics["timing_s/probe"] = seconds + time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
         return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     @contextmanager
     def _probe_pass(self, probe: KLProbe) -> Iterator[Iterator[torch.Tensor]]:
@@ -330,7 +338,11 @@ class LoGRAUpdate:
         start = time.perf_counter()
         self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            budget = opt.kl_controller.step_budget(opt.policy_version, inputs.mismatch_sum, inputs.mismatch_tokens)
+            controller, version = opt.kl_controller, opt.policy_version
+            if inputs.staleness:
+                budget = controller.stale_budget(version, inputs.behaviour_kl, inputs.staleness)
+            else:
+                budget = controller.step_budget(version, inputs.mismatch_sum, inputs.mismatch_tokens)
             step = opt.guarded_step(
                 probe.forward, probe.input_ids, probe.loss_mask, self.temperature, budget, probe.head
             )
@@ -364,6 +376,9 @@ class LoGRAUpdate:
             "train/skipped": 0.0,
         }
         return metrics, LowRankPayloads((payload,))
+
+    def discard(self) -> None:
+        self.optimizer.zero_sketches()
 
     def save(self, directory: Path) -> None:
         if _is_rank0():

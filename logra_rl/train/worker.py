@@ -49,7 +49,17 @@ if TYPE_CHECKING:
 # 27B fp32 load from slow storage (NCCL's default is 10 minutes).
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
 # Per-token sums of one backward pass, all-reduced over the group in this order.
-SUMS = ("tokens", "loss", "is_ratio", "is_truncated", "clipped", "mismatch_all", "mismatch", "mismatch_tokens")
+SUMS = (
+    "tokens",
+    "loss",
+    "is_ratio",
+    "is_truncated",
+    "clipped",
+    "mismatch_all",
+    "mismatch",
+    "mismatch_tokens",
+    "behaviour_kl",
+)
 SUMMED_OVER_EPOCHS = (
     "train/skipped",
     "logra/line_search_tries",
@@ -241,15 +251,25 @@ class TrainWorker:
             with timer("old_logprobs"):
                 batch = replace(batch, old_logprobs=self.logprobs(batch))
         per_epoch, updates, first = [], [], {}
+        staleness = self.rule.version - self._sampled_version(batch)
         for epoch in range(algorithm.epochs):
             sums = self._forward_backward(batch, timer)
             first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
+            behaviour_kl = first["behaviour_kl"] / max(first["tokens"], 1)
+            if epoch == 0 and staleness > 0 and behaviour_kl > algorithm.staleness_kl:
+                self.rule.discard()  # nothing moves: the controller has the batch sampled again by this policy
+                bound = algorithm.staleness_kl
+                reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
+                metrics = {"train/skipped": 1.0, "async/refused": 1.0, **timer.seconds}
+                return metrics | self._staleness_metrics(staleness, behaviour_kl), NoChange(reason)
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],
                 mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
                 probe=lambda: self._probe(batch),
+                staleness=staleness if epoch == 0 else 0,
+                behaviour_kl=behaviour_kl if epoch == 0 else 0.0,
             )
             with timer("update"):
                 update_metrics, update = self.rule.update(inputs)
@@ -271,9 +291,27 @@ class TrainWorker:
         release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)
         metrics["train/mismatch"] = first["mismatch_all"] / max(first["tokens"], 1)
+        metrics.update(self._staleness_metrics(staleness, first["behaviour_kl"] / max(first["tokens"], 1)))
         metrics.update(self._memory_metrics())
         metrics.update(timer.seconds)
         return metrics, step_update(updates)
+
+    def _sampled_version(self, batch: TrainBatch) -> int:
+        """The oldest policy version that sampled a row of the group's batch (rows that do not say: this one's)."""
+        version = self.rule.version
+        if batch.policy_version is not None and len(batch.policy_version):
+            recorded = batch.policy_version[batch.policy_version >= 0]
+            version = min(version, int(recorded.min())) if len(recorded) else version
+        oldest = torch.tensor(version, device=self.device)
+        dist.all_reduce(oldest, op=dist.ReduceOp.MIN)
+        return int(oldest)
+
+    @staticmethod
+    def _staleness_metrics(staleness: int, behaviour_kl: float) -> dict[str, float]:
+        """async/staleness: updates between the policy that sampled the batch and the one trained on it;
+        async/behaviour_kl: KL(π_behaviour ‖ π_train) per token on the batch before this step moved the weights
+        (on an on-policy batch, the rollout-vs-trainer numerics alone)."""
+        return {"async/staleness": float(staleness), "async/behaviour_kl": behaviour_kl}
 
     def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)
@@ -352,6 +390,9 @@ class TrainWorker:
             with timer("backward"):
                 loss.backward()
             mismatch = (rollout - logprobs.detach()) * mask
+            # KL(π_behaviour ‖ π_train) per sampled token, the non-negative estimator r − 1 − log r, r = π_train/π_b
+            log_ratio = (logprobs.detach() - rollout).clamp(max=20.0)
+            behaviour_kl = (log_ratio.exp() - 1 - log_ratio) * mask
             finished = micro.finished.to(self.device)[:, None]
             sums["tokens"] += stats.tokens
             sums["loss"] += float(loss.detach())
@@ -361,6 +402,7 @@ class TrainWorker:
             sums["mismatch_all"] += float(mismatch.sum())
             sums["mismatch"] += float((mismatch * finished).sum())
             sums["mismatch_tokens"] += float((mask * finished).sum())
+            sums["behaviour_kl"] += float(behaviour_kl.sum())
         reduced = torch.tensor([sums[key] for key in SUMS], dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced)
         return dict(zip(SUMS, reduced.tolist(), strict=True))

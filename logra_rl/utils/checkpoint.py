@@ -146,6 +146,8 @@ def verify(path: Path) -> str | None:
         if missing:
             return f"controller.json lacks {sorted(missing)}"
         torch.load(path / UPDATE_STATE, weights_only=True)
+        if state.get("rollouts"):  # the batches in flight (algorithm.max_staleness)
+            torch.load(path / "rollouts.pt", weights_only=True)
     except Exception as error:  # whatever a torn or foreign file raises (unpickling, JSON, types)
         return f"{type(error).__name__}: {str(error)[:200]}"
     if not (path / "model").is_dir():

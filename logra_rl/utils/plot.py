@@ -24,6 +24,7 @@ from logra_rl.utils.metrics import current_names
 DASH = "—"
 KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted", "logra/kl_budget"
 REFUSED = "logra/overshoot_refused"
+BEHAVIOUR_KL = "async/behaviour_kl"  # KL(π_behaviour ‖ π_train) per token of the batch a step trained on
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
 # Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against; the
@@ -45,14 +46,21 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
     `metrics_path`, so that steps over it and refused steps are marked."""
     metrics_path = Path(metrics_path)
     records = _read_records(metrics_path)
-    max_overshoot = _max_overshoot(_read_config(metrics_path.parent / "config.yaml"))
+    config = _read_config(metrics_path.parent / "config.yaml")
+    max_overshoot = _max_overshoot(config)
+    rates = [r["perf/updates_per_hour"] for r in records if r.get("perf/updates_per_hour")]
     panels = [
         ("reward", ["reward/mean", "reward/baseline"]),
         ("eval", [f"eval/{task}/pass@1", f"eval/{task}/pass@{k}"]),
         ("KL per token", [KL_PREDICTED, KL_REALIZED, KL_BUDGET]),
         ("memory (GiB)", ["memory/train_avg_gib", "memory/train_peak_gib"]),
+        (
+            f"busy fraction (median {statistics.median(rates):.0f} updates/hour)" if rates else "busy fraction",
+            ["perf/train_busy", "perf/rollout_busy"],
+        ),
+        ("staleness", [BEHAVIOUR_KL]),
     ]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    figure, axes = plt.subplots(3, 2, figsize=(11, 10))
     for axis, (title, keys) in zip(axes.flat, panels, strict=True):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -62,6 +70,8 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
         if title == "KL per token":
             _draw_guard(axis, records, max_overshoot)
             axis.set_yscale("log")
+        if title == "staleness":
+            _draw_staleness(axis, records, _get(config, "algorithm.staleness_kl"))
         axis.set_title(title)
         axis.set_xlabel("step")
         if axis.lines:
@@ -84,6 +94,20 @@ def _draw_guard(axis: Any, records: list[dict[str, Any]], max_overshoot: float) 
         axis.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"realised over bound: {len(over)}")
     if refused := _refused(records):
         axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"refused: {len(refused)}")
+
+
+def _draw_staleness(axis: Any, records: list[dict[str, Any]], bound: float | None) -> None:
+    """The behaviour KL against its bound (algorithm.staleness_kl), and on a second axis the staleness in updates;
+    ▽ where a batch past the bound was sampled again."""
+    if bound is not None and any(r.get(BEHAVIOUR_KL) is not None for r in records):
+        axis.axhline(float(bound), linestyle=":", linewidth=0.8, color="gray", label=f"bound {float(bound):g}")
+    if refused := [(r["step"], r[BEHAVIOUR_KL]) for r in records if r.get("async/refused") and BEHAVIOUR_KL in r]:
+        axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"sampled again: {len(refused)}")
+    points = [(r["step"], r["async/staleness"]) for r in records if r.get("async/staleness") is not None]
+    if points:
+        steps = axis.twinx()
+        steps.step(*zip(*points, strict=True), where="mid", color="tab:orange", linewidth=0.8)
+        steps.set_ylabel("updates behind", color="tab:orange", fontsize=8)
 
 
 # --------------------------------------------------------------------------------------------------------------------

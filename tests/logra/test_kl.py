@@ -293,3 +293,30 @@ def test_guard_refuses_what_it_cannot_bring_within_the_bound():
 def test_guard_settings_are_checked(key, value):
     with pytest.raises(ValueError, match=f"logra.kl.{key}"):
         KLConfig(**{key: value})
+
+
+def test_a_stale_batch_is_charged_the_behaviour_kl_its_skipped_updates_were_not_granted():
+    """A batch sampled `staleness` updates ago (algorithm.max_staleness) is expected to be the sum of those
+    updates' budgets away: only what its behaviour KL exceeds that by is charged (or the on-policy mismatch EMA
+    when larger), and a stale batch leaves the EMA as on-policy batches measured it. The floor holds."""
+    controller = KLController(KLConfig(schedule="constant", budget=2e-4))
+    controller.step_budget(0, mismatch_sum=0.1, mismatch_tokens=1000)  # EMA 3e-5 from an on-policy batch
+    # one update behind, 2.5e-4 away: 5e-5 beyond the 2e-4 granted -> δ_eff = 2e-4 − 5e-5
+    assert controller.stale_budget(1, behaviour_kl=2.5e-4, staleness=1) == pytest.approx(1.5e-4)
+    assert controller.mismatch == pytest.approx(3e-5)
+    # as far as the skipped update was allowed to move it: only the EMA is charged
+    assert controller.stale_budget(2, behaviour_kl=2e-4, staleness=1) == pytest.approx(2e-4 - 3e-5)
+    # two updates behind, 4.5e-4 away: 5e-5 beyond 2 × 2e-4
+    assert controller.stale_budget(3, behaviour_kl=4.5e-4, staleness=2) == pytest.approx(1.5e-4)
+    assert controller.stale_budget(4, behaviour_kl=1.0, staleness=1) == pytest.approx(1e-4)  # the floor, 0.5·δ
+    with pytest.raises(FloatingPointError):
+        controller.stale_budget(5, behaviour_kl=float("nan"), staleness=1)
+    # on a cosine schedule the granted part is the budgets of the updates skipped over
+    cosine = KLController(KLConfig(schedule="cosine", budget=4e-4, final_budget=1e-4, schedule_steps=3))
+    granted = scheduled_budget(cosine.config, 1)  # 2.5e-4, the budget of update 1 (the batch skipped it)
+    assert cosine.stale_budget(2, behaviour_kl=granted + 2e-5, staleness=1) == pytest.approx(1e-4 - 2e-5)
+    assert cosine.stale_budget(1, behaviour_kl=scheduled_budget(cosine.config, 0), staleness=1) == pytest.approx(
+        scheduled_budget(cosine.config, 1)
+    )
+    off = KLController(KLConfig(schedule="constant", budget=2e-4, mismatch_subtraction=False))
+    assert off.stale_budget(0, behaviour_kl=1e-3, staleness=1) == 2e-4  # mismatch_subtraction=false charges nothing

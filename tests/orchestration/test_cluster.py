@@ -18,7 +18,16 @@ import pytest
 import ray
 
 from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig, SyncConfig
-from logra_rl.orchestration.cluster import CudaProbe, WorkerGroup, cuda_problem, probe_cuda, start_ray
+from logra_rl.orchestration.cluster import (
+    CudaProbe,
+    WorkerGroup,
+    actor_cores,
+    cuda_problem,
+    pinned_cores,
+    probe_cuda,
+    split_cores,
+    start_ray,
+)
 from logra_rl.rollout.vllm_engine import engine_cache_root
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -100,6 +109,105 @@ def test_a_group_in_its_phase_gets_the_nodes_cores():
             # the run's worker env is kept, and each actor gets its own `env(i)`
             assert counts == [(expected, str(expected), "false", str(i)) for i in range(count)]
             group.kill()
+    finally:
+        ray.shutdown()
+
+
+def test_pinned_cores_split_in_proportion_to_each_groups_gpus():
+    """cluster.pin_cores: contiguous runs of cores, one per group, sized by its logical GPUs, at least one each;
+    inside a group a contiguous share per actor, or the group's cores shared where it has fewer than actors."""
+    assert split_cores(range(16), {"train": 4, "rollout": 4}) == {
+        "train": list(range(8)),
+        "rollout": list(range(8, 16)),
+    }
+    assert split_cores([1, 0], {"train": 1, "rollout": 1}) == {"train": [0], "rollout": [1]}
+    assert split_cores(range(2), {"train": 7, "rollout": 1}) == {"train": [0], "rollout": [1]}  # at least one each
+    assert split_cores(range(8), {"train": 2, "rollout": 6}) == {"train": [0, 1], "rollout": list(range(2, 8))}
+    assert split_cores([4, 6, 5, 7], {"train": 1, "rollout": 3}) == {"train": [4], "rollout": [5, 6, 7]}
+    assert actor_cores(range(8), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert actor_cores([3, 4, 5], 2) == [[3], [4, 5]]
+    assert actor_cores([0], 3) == [[0], [0], [0]]  # 3 train workers on 1 core share it
+
+    cpu = {"device": "cpu", "pin_cores": True}
+    paper = RunConfig(cluster=ClusterConfig(train_workers=4, **cpu), rollout=RolloutConfig(num_engines=4))
+    assert pinned_cores(paper, range(16)) == {
+        "train": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "rollout": [[8, 9], [10, 11], [12, 13], [14, 15]],
+    }
+    tensor_parallel = RunConfig(
+        cluster=ClusterConfig(train_workers=2, **cpu), rollout=RolloutConfig(num_engines=1, gpus_per_engine=2)
+    )
+    assert pinned_cores(tensor_parallel, range(8)) == {"train": [[0, 1], [2, 3]], "rollout": [[4, 5, 6, 7]]}
+    three = RunConfig(cluster=ClusterConfig(train_workers=3, **cpu))
+    assert pinned_cores(three, [0, 1]) == {"train": [[0], [0], [0]], "rollout": [[1]]}
+    with pytest.raises(ValueError, match=r"cluster.pin_cores=true needs at least 2 cores .* has 1: set cluster.pin"):
+        pinned_cores(three, [0])
+
+
+def test_pin_cores_needs_the_cpu_device():
+    assert not ClusterConfig().pin_cores  # the CPU default: threads follow the phase
+    for device in ("cuda", "auto"):
+        with pytest.raises(ValueError, match=rf"cluster.pin_cores=True .* needs cluster.device=cpu \(is {device};"):
+            ClusterConfig(device=device, pin_cores=True)
+    with pytest.raises(ValueError, match=r"cluster\.pin_cores='yes' is invalid; must be true or false"):
+        ClusterConfig(device="cpu", pin_cores="yes")
+    overrides = {"cluster": {"device": "cpu", "pin_cores": True}}
+    assert RunConfig.from_mapping(overrides).cluster.pin_cores
+
+
+class Cores:
+    """What a pinned actor runs on: its cores (the main thread's, every thread's, a child process's) and threads."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def report(self):
+        import torch
+
+        threads = set()
+        for task in os.listdir("/proc/self/task"):
+            with suppress(OSError):
+                threads.add(tuple(sorted(os.sched_getaffinity(int(task)))))
+        child = subprocess.run(["grep", "Cpus_allowed_list", "/proc/self/status"], capture_output=True, text=True)
+        return (
+            self.index,
+            sorted(os.sched_getaffinity(0)),
+            threads,
+            child.stdout.split()[-1],
+            os.environ["OMP_NUM_THREADS"],
+            torch.get_num_threads(),
+        )
+
+
+def test_pinned_groups_run_on_their_own_cores(capsys):
+    """cluster.pin_cores on this machine: train and rollout own disjoint cores that cover the process's, and
+    each actor (every thread of it, and what it starts) runs on exactly its cores with as many torch threads."""
+    mine = sorted(os.sched_getaffinity(0))
+    config = RunConfig(cluster=ClusterConfig(train_workers=1, device="cpu", pin_cores=True))
+    cores = pinned_cores(config)
+    train, rollout = cores["train"][0], cores["rollout"][0]
+    assert train and rollout and not set(train) & set(rollout) and sorted(train + rollout) == mine
+    if len(mine) == 2:
+        assert (train, rollout) == ([mine[0]], [mine[1]])
+    assert start_ray(config)
+    try:
+        assert f"[logra] pinned cores (cluster.pin_cores): train {train[0]}" in capsys.readouterr().out
+        groups = [
+            WorkerGroup(Cores, 1, name, cpus=1, gpus=1, arguments=lambda i: {"index": i}, cores=cores[name])
+            for name in ("train", "rollout")
+        ]
+        reports = [report for group in groups for report in group.gather([a.report.remote() for a in group.actors])]
+        for (index, affinity, threads, child, omp, torch_threads), expected in zip(
+            reports, [train, rollout], strict=True
+        ):
+            assert index == 0 and affinity == expected and threads == {tuple(expected)}
+            assert child == (str(expected[0]) if len(expected) == 1 else f"{expected[0]}-{expected[-1]}")
+            assert omp == str(len(expected)) and torch_threads == len(expected)
+        assert groups[0].threads == [len(train)] and groups[1].threads == [len(rollout)]
+        for group in groups:
+            group.kill()
+        with pytest.raises(ValueError, match="the shared group has 2 actors but 1 core assignments"):
+            WorkerGroup(Cores, 2, "shared", cpus=1, gpus=1, arguments=lambda i: {"index": i}, cores=[train])
     finally:
         ray.shutdown()
 

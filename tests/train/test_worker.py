@@ -11,6 +11,7 @@ from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
 from logra_rl.rollout.resync import bucket_tensors
+from logra_rl.train.api import NoChange
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import aggregate_epochs
 from tests.orchestration.test_controller import run_config
@@ -109,6 +110,55 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
     want = exact_kl(logits_before, logits_after, config.rollout.temperature).mean()
     assert want > 1e-6
     assert result.metrics["train/kl_realized"] == pytest.approx(float(want), rel=1e-3)
+
+
+def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_behaviour_kl(tmp_path):
+    """A batch sampled one update ago (algorithm.max_staleness) whose behaviour KL is past algorithm.staleness_kl:
+    the step is refused (the controller samples it again), nothing moves, and the behaviour KL it reports is
+    KL(π_behaviour ‖ π_train) per token, r − 1 − log r over the sampled tokens, from the trainer's log-probs."""
+    path = tmp_path / "model"
+    tiny_qwen3(seed=4).save_pretrained(path)
+    overrides = ["model=hf", f"model.path={path}", "logra.kl.probe_responses=2", "algorithm.staleness_kl=1e-3"]
+    config = RunConfig.from_mapping(run_config(overrides))
+    input_ids = random_batch(4, 12, seed=2)
+    loss_mask = torch.zeros(input_ids.shape)
+    loss_mask[:, 6:] = 1
+    batch = TrainBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.full(input_ids.shape, -4.0) * loss_mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        finished=torch.ones(4, dtype=torch.bool),
+        policy_version=torch.zeros(4, dtype=torch.long),  # sampled by the start's weights
+    )
+    owns_ray = start_ray(config)
+    group = TrainGroup(config, str(path))
+    try:
+        group.setup()
+        fresh = group.train_step(batch, step=0)  # on-policy: trained, whatever its behaviour KL
+        before = group.full_state()
+        stale = group.train_step(batch, step=1)  # the trainer is at version 1 now
+        after = group.full_state()
+    finally:
+        group.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+    assert fresh.policy_version == 1 and fresh.metrics["async/staleness"] == 0
+    assert "async/refused" not in fresh.metrics
+    assert isinstance(stale.update, NoChange) and "algorithm.staleness_kl=0.001" in stale.update.reason
+    assert stale.policy_version == 1 and stale.metrics["async/refused"] == 1 and stale.metrics["async/staleness"] == 1
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.load_state_dict(before)
+    with torch.no_grad():
+        trained = token_logprobs(model(input_ids=input_ids).logits, input_ids, config.rollout.temperature)
+    where = loss_mask[:, 1:].bool()
+    log_ratio = trained[where] - batch.rollout_logprobs[:, 1:][where]
+    want = float((log_ratio.exp() - 1 - log_ratio).mean())
+    assert want > 1e-3
+    assert stale.metrics["async/behaviour_kl"] == pytest.approx(want, rel=1e-4)
 
 
 def test_ppo_epochs_metrics_are_aggregated_over_every_epoch():

@@ -274,3 +274,37 @@ def test_plot_run_marks_the_bound_from_config_yaml(tmp_path, figures):
     assert drawn["realised over bound: 1"] == ([4], [0.025])
     assert drawn["refused: 1"] == ([6], [0.01])
     assert drawn["train/kl_realized"][0] == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_plot_run_shows_busy_fractions_and_the_behaviour_kl_against_its_bound(tmp_path, figures):
+    """An asynchronous run (algorithm.max_staleness=1): each group's busy fraction, updates per hour in the title,
+    the behaviour KL under the bound from config.yaml, the batch sampled again marked, the staleness in updates."""
+    records = [
+        train_record(
+            step,
+            0.5,
+            1.0,
+            **{
+                "perf/train_busy": 0.9,
+                "perf/rollout_busy": 0.6,
+                "perf/updates_per_hour": 3600.0,
+                "async/staleness": float(step > 0),
+                "async/behaviour_kl": 0.2 if step == 3 else 0.01,
+                "async/refused": float(step == 3),
+            },
+        )
+        for step in range(6)
+    ]
+    run = write_run(tmp_path / "async", "logra", records, total_steps=6)
+    config = yaml.safe_load((run / "config.yaml").read_text()) | {"algorithm": {"staleness_kl": 0.1}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    plot_run(run / "metrics.jsonl", tmp_path / "run.png", task="gsm8k", k=4)
+    titles = {axis.get_title(): axis for axis in figures[0].axes}
+    busy = lines(titles["busy fraction (median 3600 updates/hour)"])
+    assert busy["perf/train_busy"] == (list(range(6)), [0.9] * 6) and busy["perf/rollout_busy"][1] == [0.6] * 6
+    staleness = lines(titles["staleness"])
+    assert staleness["bound 0.1"][1] == [0.1, 0.1]
+    assert staleness["sampled again: 1"] == ([3], [0.2])
+    assert staleness["async/behaviour_kl"][1][3] == 0.2
+    [updates] = [axis for axis in figures[0].axes if axis.get_ylabel() == "updates behind"]
+    assert list(updates.lines[0].get_ydata()) == [0.0] + [1.0] * 5
