@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,8 +177,9 @@ class AlgorithmConfig:
     # t - 1 - max_staleness (0: the synchronous loop; 1: the engines generate batch t + 1 while batch t trains)
     max_staleness: int = 0
     # the largest behaviour KL (policy that sampled a batch -> policy trained on it, per token) a stale batch
-    # may have: past it the batch is sampled again by the current policy before it trains. null: twice what
-    # max_staleness updates held to logra.kl.max_overshoot x the KL budget may move the policy
+    # may have: past it the batch is sampled again by the current policy before it trains. null: for LoGRA twice
+    # what the updates it is behind may move the policy (max_staleness x epochs x logra.kl.max_overshoot x the
+    # KL budget); dense and LoRA have no KL budget to derive it from: no bound unless set
     staleness_kl: float | None = None
 
     def __post_init__(self) -> None:
@@ -198,9 +200,20 @@ class AlgorithmConfig:
         check(self.clip_low is None or 0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "must be in [0, 1)")
         check(self.clip_high is None or self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "must be >= 0")
         check_positive_int("algorithm.epochs", self.epochs)
-        check_non_negative_int("algorithm.max_staleness", self.max_staleness, "0: the synchronous loop")
-        if self.staleness_kl is not None:
-            check_positive("algorithm.staleness_kl", self.staleness_kl)
+        check(
+            self.max_staleness in (0, 1) and not isinstance(self.max_staleness, bool),
+            "algorithm.max_staleness",
+            self.max_staleness,
+            "give 0 (the synchronous loop) or 1 (one step off: the engines generate the next batch while this one "
+            "trains); the loop waits for every batch ahead before each sync, so 2 or more would only make batches "
+            "staler without more overlap",
+        )
+        check(
+            self.staleness_kl is None or (isinstance(self.staleness_kl, int | float) and self.staleness_kl > 0),
+            "algorithm.staleness_kl",
+            self.staleness_kl,
+            "give a KL per token > 0 (.inf: no bound), or null for the default",
+        )
         check(
             self.epochs == 1 or self.clip_low is not None or self.clip_high is not None,
             "algorithm.epochs",
@@ -432,20 +445,23 @@ class RunConfig:
             "GRPO compares responses within a group: set rollout.n >= 2",
         )
         algorithm, kl = built["algorithm"], built["logra"].kl
-        # K updates the guard let through may each move the policy max_overshoot × budget: a bound below that
-        # would refuse batches only as stale as the schedule makes them, and sample them all again
-        moved = max(algorithm.max_staleness, 1) * kl.max_overshoot * max(kl.budget, kl.final_budget)
+        # the K steps' updates (epochs each) the guard let through may each move the policy max_overshoot × budget:
+        # a bound below that would refuse batches only as stale as the schedule makes them, and sample them again
+        updates = max(algorithm.max_staleness, 1) * algorithm.epochs
+        moved = updates * kl.max_overshoot * max(kl.budget, kl.final_budget)
+        logra = built["optimizer"].name == "logra"
         if algorithm.staleness_kl is None:
-            built["algorithm"] = algorithm = dataclasses.replace(algorithm, staleness_kl=2 * moved)
-        elif algorithm.max_staleness and built["optimizer"].name == "logra":
+            bound = 2 * moved if logra else math.inf
+            built["algorithm"] = algorithm = dataclasses.replace(algorithm, staleness_kl=bound)
+        elif algorithm.max_staleness and logra:
             check(
                 algorithm.staleness_kl >= moved,
                 "algorithm.staleness_kl",
                 algorithm.staleness_kl,
-                f"is below what algorithm.max_staleness={algorithm.max_staleness} updates may move the policy "
-                f"({algorithm.max_staleness} × logra.kl.max_overshoot={kl.max_overshoot:g} × the KL budget "
-                f"{max(kl.budget, kl.final_budget):g} = {moved:.3g}): every stale batch could be sampled again; "
-                f"raise it to at least {moved:.3g} (twice that leaves room for the engines' numerics)",
+                f"is below what the {updates} update(s) a batch is behind may move the policy ({updates} × "
+                f"logra.kl.max_overshoot={kl.max_overshoot:g} × the KL budget {max(kl.budget, kl.final_budget):g} "
+                f"= {moved:.3g}): every stale batch could be sampled again; raise it to at least {moved:.3g} "
+                "(twice that leaves room for the engines' numerics)",
             )
         probe_tokens = built["logra"].kl.probe_max_tokens
         check(

@@ -1,5 +1,7 @@
 """The Hydra tree and the config dataclasses stay in step; bad values fail with the key's name."""
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -169,8 +171,11 @@ def test_the_real_model_preset_and_its_baselines_run_the_same_job():
     for rule in ("dense", "lora"):
         baseline = RunConfig.from_mapping(compose_with([f"+experiment=smollm2_{rule}"]))
         assert baseline.optimizer.name == rule and baseline.optimizer.schedule_steps == baseline.trainer.total_steps
-        same = ("model", "data", "rollout", "algorithm", "trainer", "cluster", "logra")
+        same = ("model", "data", "rollout", "trainer", "cluster", "logra")
         assert all(getattr(baseline, part) == getattr(config, part) for part in same)
+        # the staleness bound's default comes from LoGRA's KL budget: the rules differ there alone
+        unbounded = dataclasses.replace(config.algorithm, staleness_kl=math.inf)
+        assert baseline.algorithm == unbounded
 
 
 def test_default_is_the_quickstart():
@@ -205,15 +210,19 @@ def test_unknown_top_level_key():
 
 
 def test_the_staleness_bound_defaults_to_twice_what_the_stale_updates_may_move_the_policy():
-    """algorithm.staleness_kl null: 2 × max_staleness × logra.kl.max_overshoot × the larger KL budget; a bound a
-    LoGRA run sets below what those updates may move the policy would sample every stale batch again: refused."""
+    """algorithm.staleness_kl null: 2 × max_staleness × epochs × logra.kl.max_overshoot × the larger KL budget; a
+    bound a LoGRA run sets below what those updates may move the policy would sample every stale batch again:
+    refused. max_staleness is 0 or 1."""
     quickstart = RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1"]))
     assert quickstart.algorithm.staleness_kl == pytest.approx(2 * 1 * 1.5 * 0.1)  # budget 1e-1 -> 1e-2
-    smollm2 = RunConfig.from_mapping(compose_with(["+experiment=smollm2", "algorithm.max_staleness=2"]))
-    assert smollm2.algorithm.staleness_kl == pytest.approx(2 * 2 * 1.5 * 4e-2)
+    ppo = ["+experiment=smollm2", "algorithm.max_staleness=1", "algorithm.epochs=2", "algorithm.clip_low=0.2"]
+    assert RunConfig.from_mapping(compose_with(ppo)).algorithm.staleness_kl == pytest.approx(2 * 2 * 1.5 * 4e-2)
     with pytest.raises(ValueError, match=r"algorithm.staleness_kl=0.1 .* raise it to at least 0.15"):
         RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1", "algorithm.staleness_kl=0.1"]))
     dense = ["optimizer=dense", "algorithm.max_staleness=1", "algorithm.staleness_kl=0.01"]
     assert RunConfig.from_mapping(compose_with(dense)).algorithm.staleness_kl == 0.01  # no KL budget to check
-    with pytest.raises(ValueError, match=r"algorithm\.max_staleness"):
-        RunConfig.from_mapping(compose_with(["algorithm.max_staleness=-1"]))
+    unbounded = RunConfig.from_mapping(compose_with(["optimizer=dense", "algorithm.max_staleness=1"]))
+    assert unbounded.algorithm.staleness_kl == math.inf  # dense and LoRA: no budget to derive a bound from
+    for value in (-1, 2):
+        with pytest.raises(ValueError, match=r"algorithm\.max_staleness=.* give 0 .* or 1"):
+            RunConfig.from_mapping(compose_with([f"algorithm.max_staleness={value}"]))

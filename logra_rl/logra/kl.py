@@ -428,9 +428,10 @@ class KLController:
 
         The updates in between were each held to their own budget, so the batch is expected to be about the
         sum of those budgets away: that part the schedule already granted. What it is beyond them (the guard's
-        overshoot within `max_overshoot`, the engines' numerics, a curved path) is charged like the mismatch,
-        which it contains; the mismatch EMA itself is left as on-policy batches measured it, since a stale
-        batch cannot tell the engines' numerics from its staleness. The floor holds.
+        overshoot within `max_overshoot`, the engines' numerics, what the probe rows did not see of the batch)
+        is charged like the mismatch, which it contains. A stale batch cannot tell the engines' numerics from
+        its staleness, so it does not update the mismatch EMA: one step off, that keeps what the on-policy first
+        step (and any batch sampled again) measured. The floor holds.
         """
         budget = scheduled_budget(self.config, update)
         if not self.config.mismatch_subtraction:

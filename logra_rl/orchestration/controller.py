@@ -38,16 +38,22 @@ from logra_rl.orchestration.cluster import GroupLost, start_ray
 from logra_rl.orchestration.memory_plan import check_memory, machine_of
 from logra_rl.orchestration.preemption import Interrupted, Preemption
 from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
-from logra_rl.orchestration.rollout_schedule import Rollout, RolloutSchedule, pack_rollouts, unpack_rollouts
+from logra_rl.orchestration.rollout_schedule import (
+    GenerationAbandoned,
+    Rollout,
+    RolloutSchedule,
+    pack_rollouts,
+    unpack_rollouts,
+)
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
 from logra_rl.rewards import RewardPool
 from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
-from logra_rl.train.api import NoChange, StepResult
+from logra_rl.train.api import NoChange, StaleBatch, StepResult
 from logra_rl.train.batch import pack_batch
-from logra_rl.utils.checkpoint import Checkpoints, first_verified, read_controller_state, verify
+from logra_rl.utils.checkpoint import ROLLOUTS, Checkpoints, first_verified, read_controller_state, verify
 from logra_rl.utils.memory import GIB
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
@@ -63,9 +69,6 @@ class RolloutLost(RuntimeError):
     """Engines were lost while generating a batch sampled by weights the trainer has moved past (a batch ahead,
     `algorithm.max_staleness`): no process holds those weights any more, so the run goes back to its last
     checkpoint, and the replay gives the same records."""
-
-
-ROLLOUTS = "rollouts.pt"  # a checkpoint's batches in flight
 
 
 def read_driver_state(path: Path) -> dict[str, Any]:
@@ -218,14 +221,12 @@ class Controller:
                 lost = again
 
     def rebuild_train_group(self, lost: GroupLost | RolloutLost) -> int:
-        """A new train group in place of a lost one (or of one whose batch in flight was lost with its engines),
-        restored from the newest checkpoint (or the run's start), the engines resynced to it and the records after
+        """A new train group at the newest checkpoint (or the run's start), in place of a lost one or of one past
+        the policy of a batch in flight lost with its engines; the engines resynced to it and the records after
         it dropped; returns the step to run next. The replay is the run it replaces: seeds depend on the step,
         and the checkpoint holds the weights, the update rule, the sampler, the baseline and the batches in
         flight. Lost engines count against rollout.max_restarts, lost train groups against trainer.max_restarts."""
-        if isinstance(lost, RolloutLost):
-            self.train.shutdown()  # alive, but ahead of every batch the engines can still sample
-        else:
+        if isinstance(lost, GroupLost):
             self.train_restarts += 1
         limit = self.config.trainer.max_restarts
         if self.train_restarts > limit:
@@ -235,7 +236,10 @@ class Controller:
         path, skipped = first_verified(line)
         for note in skipped:
             print(f"[logra-train] {note}", flush=True)
+        self.schedule.abandon()  # the generation running now ends before the resync below reaches the engines
         print(f"[logra-train] {lost}; rebuilding the train group from {path or 'the run start'}", flush=True)
+        if isinstance(lost, RolloutLost):
+            self.train.shutdown()  # alive, but past every policy the engines can still sample: as after a loss
         self.train = TrainGroup(self.config, self.model_path)
         self.policy_version = self.train.setup()
         state = self.first_state
@@ -274,16 +278,19 @@ class Controller:
                 raise Interrupted(self.preemption.name)
             baseline, baseline_value = self.baseline.state_dict(), self.baseline.value
             rewards, reward_metrics, result = self.train_on(rollout, step, timer)  # 2.–6.
-            refused = result.metrics.get("async/refused", 0.0)
-            if refused:  # too stale (algorithm.staleness_kl): sampled again by the current policy, then trained
+            refused = {}
+            if isinstance(result.update, StaleBatch):  # past algorithm.staleness_kl: nothing trained
+                refused = {"async/refused": 1.0, "async/refused_behaviour_kl": result.metrics["async/behaviour_kl"]}
                 self.baseline.load_state_dict(baseline)
-                self.schedule.relaunch(step, self.policy_version)
-                with timer("rollout"):
+                with timer("rollout"), self.preemption.interruptible():  # sampled again by the current policy
+                    for later in self.schedule.ahead(step):  # first what was launched before it
+                        self.collect(later)
+                    self.schedule.relaunch(step, self.policy_version)
                     rollout = self.collect(step)
                 rewards, reward_metrics, result = self.train_on(rollout, step, timer)
             self.policy_version = result.policy_version
             with timer("rollout_wait"):  # the batches ahead, generated while this step trained
-                ahead = [self.collect(later) for later in sorted(self.schedule.rollouts) if later > step]
+                ahead = [self.collect(later) for later in self.schedule.ahead(step)]
             with timer("sync"):  # 7. (the engines run it after the generations launched before it)
                 sync_metrics = self.weight_sync.sync(result.update, result.policy_version, step)
         self.schedule.trained(step)
@@ -295,7 +302,8 @@ class Controller:
             **result.metrics,
             **sync_metrics,
             **timer.seconds,
-            "async/refused": refused,
+            "async/refused": 0.0,
+            **refused,
             "perf/updates_per_hour": 3600 * self.config.algorithm.epochs / seconds,
             "perf/train_busy": timer.seconds["timing_s/train"] / seconds,
             "perf/rollout_busy": min(1.0, generated / seconds),
@@ -319,25 +327,30 @@ class Controller:
         return rewards, reward_metrics, result
 
     def collect(self, step: int) -> Rollout:
-        """Batch `step`, generated. Engines lost during its generation are resynced and asked again when the
-        policy that samples it is still the trainer's; when the trainer has moved past it, `RolloutLost`."""
+        """Batch `step`, generated by the policy it was launched with. Engines lost during its generation (or
+        found holding other weights) are resynced and asked again, with every batch launched after it, when that
+        policy is still the trainer's; when the trainer has moved past it, `RolloutLost`."""
         while True:
+            engines = None  # all of them, unless the lost ones are known
             try:
                 rollout = self.schedule.wait(step)
+                found = {c.policy_version for c in rollout.completions} - {-1, rollout.policy_version}
+                if not found:
+                    return rollout
+                problem = f"engines sampled batch {step} with policy versions {sorted(found)}"
             except EnginesRestarted as restarted:
-                version = self.schedule.rollouts[step].version
-                if version != self.policy_version:
-                    raise RolloutLost(
-                        f"{restarted} while generating batch {step}, sampled by policy version {version}; the "
-                        f"trainer is at {self.policy_version}"
-                    ) from restarted
-                self.weight_sync.full_resync(version, restarted.engines)
-                self.schedule.relaunch(step, version)
-                continue
-            if any(c.policy_version != rollout.version for c in rollout.completions):
-                found = sorted({c.policy_version for c in rollout.completions})
-                raise RuntimeError(f"batch {step} was to be sampled by policy version {rollout.version}: {found}")
-            return rollout
+                problem, engines = f"{restarted} while generating batch {step}", restarted.engines
+            except GenerationAbandoned as abandoned:
+                problem = str(abandoned)
+            version = self.schedule.rollouts[step].policy_version
+            if version != self.policy_version:
+                raise RolloutLost(
+                    f"{problem}; it was sampled by policy version {version}, which the trainer (at "
+                    f"{self.policy_version}) has moved past"
+                )
+            self.weight_sync.full_resync(version, engines)
+            for again in [step, *self.schedule.ahead(step)]:
+                self.schedule.relaunch(again, version)
 
     def generate(self, prompts: list[Prompt], step: int) -> list[Completion]:
         """The engines' completions for batch `step` (`rollout.n` per prompt), seeded by the step."""

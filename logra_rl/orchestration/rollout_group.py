@@ -70,6 +70,7 @@ class RolloutGroup:
         )
         self.engines = self.workers.actors
         self.restarts = 0  # engines restarted in this run (fault/engine_restarts)
+        self.closing = False
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -105,6 +106,7 @@ class RolloutGroup:
         return [results[e] for e in range(len(self))]
 
     def shutdown(self) -> None:
+        self.closing = True  # a generation still running on a background thread then fails quietly
         self.workers.kill()
 
     def _each(self, call: Callable[[int, ActorHandle], ray.ObjectRef], engines: Sequence[int]) -> dict[int, Any]:
@@ -114,6 +116,8 @@ class RolloutGroup:
         lost = self._collect({e: call(e, self.engines[e]) for e in engines}, results)
         if not lost:
             return results
+        if self.closing:  # stopped by the run's teardown, not lost
+            raise RuntimeError("the rollout engines were stopped")
         self.restarts += len(lost)
         reasons = "; ".join(f"engine {e}: {reason}" for e, reason in lost.items())
         if self.restarts > self.max_restarts:

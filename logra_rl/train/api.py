@@ -51,6 +51,12 @@ class NoChange:
     reason: str
 
 
+@dataclass(frozen=True)
+class StaleBatch(NoChange):
+    """The batch was sampled by a policy further than `algorithm.staleness_kl` from the one being trained: not
+    trained on (nothing moved); the controller has its prompts sampled again by the current policy."""
+
+
 WeightUpdate = LowRankPayloads[P] | FullResync | NoChange
 
 

@@ -99,7 +99,7 @@ class UpdateRule(Protocol):
 
     def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]: ...
 
-    def discard(self) -> None:
+    def drop_backward(self) -> None:
         """Drop what the backward accumulated (gradients or sketches) without an update."""
 
     def save(self, directory: Path) -> None: ...
@@ -208,7 +208,7 @@ class DenseUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
 
-    def discard(self) -> None:
+    def drop_backward(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     @contextmanager
@@ -377,7 +377,7 @@ class LoGRAUpdate:
         }
         return metrics, LowRankPayloads((payload,))
 
-    def discard(self) -> None:
+    def drop_backward(self) -> None:
         self.optimizer.zero_sketches()
 
     def save(self, directory: Path) -> None:

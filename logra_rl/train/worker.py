@@ -33,7 +33,15 @@ from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.rl.logprobs import logprob_chunk
-from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, ResyncBucket, StepResult, WeightUpdate
+from logra_rl.train.api import (
+    FullResync,
+    LowRankPayloads,
+    NoChange,
+    ResyncBucket,
+    StaleBatch,
+    StepResult,
+    WeightUpdate,
+)
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import lora_layers
 from logra_rl.train.optimizers import KLProbe, UpdateInputs, update_rule_class
@@ -257,11 +265,11 @@ class TrainWorker:
             first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
             behaviour_kl = first["behaviour_kl"] / max(first["tokens"], 1)
             if epoch == 0 and staleness > 0 and behaviour_kl > algorithm.staleness_kl:
-                self.rule.discard()  # nothing moves: the controller has the batch sampled again by this policy
+                self.rule.drop_backward()  # nothing moves: the controller has the batch sampled again by this policy
                 bound = algorithm.staleness_kl
                 reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
-                metrics = {"train/skipped": 1.0, "async/refused": 1.0, **timer.seconds}
-                return metrics | self._staleness_metrics(staleness, behaviour_kl), NoChange(reason)
+                metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
+                return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],

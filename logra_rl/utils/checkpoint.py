@@ -19,6 +19,7 @@ from logra_rl.utils.structs import flatten
 
 UPDATE_STATE = "update_state.pt"  # the update rule's own state (and the policy version) inside a checkpoint
 SHARDED = ("model", "optimizer")  # torch.distributed.checkpoint directories (the optimizer's: dense and LoRA)
+ROLLOUTS = "rollouts.pt"  # the batches in flight (algorithm.max_staleness), beside controller.json
 
 # What a resumed run may change: its length, logging, cluster shape, eval and sync cadence, grading
 # resources. Everything else (model, data, algorithm, optimizer, LoGRA, sampling, seed, batch) must match.
@@ -146,8 +147,8 @@ def verify(path: Path) -> str | None:
         if missing:
             return f"controller.json lacks {sorted(missing)}"
         torch.load(path / UPDATE_STATE, weights_only=True)
-        if state.get("rollouts"):  # the batches in flight (algorithm.max_staleness)
-            torch.load(path / "rollouts.pt", weights_only=True)
+        if state.get("rollouts"):  # the batches in flight (algorithm.max_staleness): mapped, not read
+            torch.load(path / ROLLOUTS, weights_only=True, mmap=True)
     except Exception as error:  # whatever a torn or foreign file raises (unpickling, JSON, types)
         return f"{type(error).__name__}: {str(error)[:200]}"
     if not (path / "model").is_dir():

@@ -25,6 +25,7 @@ DASH = "—"
 KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted", "logra/kl_budget"
 REFUSED = "logra/overshoot_refused"
 BEHAVIOUR_KL = "async/behaviour_kl"  # KL(π_behaviour ‖ π_train) per token of the batch a step trained on
+REFUSED_KL = "async/refused_behaviour_kl"  # that of a batch past algorithm.staleness_kl, sampled again
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
 # Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against; the
@@ -98,10 +99,11 @@ def _draw_guard(axis: Any, records: list[dict[str, Any]], max_overshoot: float) 
 
 def _draw_staleness(axis: Any, records: list[dict[str, Any]], bound: float | None) -> None:
     """The behaviour KL against its bound (algorithm.staleness_kl), and on a second axis the staleness in updates;
-    ▽ where a batch past the bound was sampled again."""
+    ▽ at the behaviour KL of a batch past the bound, sampled again."""
     if bound is not None and any(r.get(BEHAVIOUR_KL) is not None for r in records):
         axis.axhline(float(bound), linestyle=":", linewidth=0.8, color="gray", label=f"bound {float(bound):g}")
-    if refused := [(r["step"], r[BEHAVIOUR_KL]) for r in records if r.get("async/refused") and BEHAVIOUR_KL in r]:
+    refused = [(r["step"], r[REFUSED_KL]) for r in records if r.get("async/refused") and r.get(REFUSED_KL) is not None]
+    if refused:
         axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"sampled again: {len(refused)}")
     points = [(r["step"], r["async/staleness"]) for r in records if r.get("async/staleness") is not None]
     if points:

@@ -9,7 +9,12 @@ import torch
 
 from logra_rl.data import PromptSampler
 from logra_rl.data.prompts import Prompt
-from logra_rl.orchestration.rollout_schedule import RolloutSchedule, pack_rollouts, unpack_rollouts
+from logra_rl.orchestration.rollout_schedule import (
+    GenerationAbandoned,
+    RolloutSchedule,
+    pack_rollouts,
+    unpack_rollouts,
+)
 from logra_rl.rollout import Completion
 
 N = 2  # responses per prompt
@@ -51,8 +56,9 @@ def run(max_staleness: int, steps: int, engines: FakeEngines) -> list[tuple[int,
     for step in range(steps):
         rollouts.launch(step, engines.version, last_step=steps - 1)
         batch = rollouts.wait(step)
-        trained.append((step, [p.token_ids for p in batch.prompts], batch.version))
-        rollouts.wait_all()
+        trained.append((step, [p.token_ids for p in batch.prompts], batch.policy_version))
+        for later in rollouts.ahead(step):
+            rollouts.wait(later)
         rollouts.trained(step)
         engines.version += 1  # the step's update reaches the engines after the generations launched before it
     return trained
@@ -80,26 +86,35 @@ def test_generations_run_on_a_background_thread_one_at_a_time_in_batch_order():
         seen_threads.add(threading.current_thread().name)
         return inner(prompts, step)
 
-    rollouts = RolloutSchedule(3, PromptSampler(prompts(10), 3), 4, generate)
+    rollouts = RolloutSchedule(1, PromptSampler(prompts(10), 3), 4, generate)
+    rollouts.max_staleness = 3  # the schedule itself takes any depth (the config allows 0 or 1)
     rollouts.launch(0, 0, last_step=9)  # four batches queued at once
-    assert [r.step for r in rollouts.wait_all()] == [0, 1, 2, 3]
+    assert [rollouts.wait(step).step for step in range(4)] == [0, 1, 2, 3]
     assert [step for step, _ in engines.calls] == [0, 1, 2, 3]
     assert threading.current_thread().name not in seen_threads
     assert all(r.generation_s > 0 and r.ended < float("inf") for r in rollouts.rollouts.values())
 
 
-def test_a_failed_generation_raises_in_the_driver_and_a_relaunch_samples_the_batch_again():
+def test_a_failed_generation_raises_in_the_driver_abandons_the_next_and_a_relaunch_samples_them_again():
     engines = FakeEngines()
     engines.fail_step = 1
     rollouts = schedule(1, engines)
+    rollouts.max_staleness = 2  # batches 0, 1 and 2 queued at once
     rollouts.launch(0, 0, last_step=9)
     assert rollouts.wait(0).completions
     with pytest.raises(RuntimeError, match="engine lost during batch 1"):
         rollouts.wait(1)
+    with pytest.raises(GenerationAbandoned, match="batch 2"):
+        rollouts.wait(2)
+    assert [step for step, _ in engines.calls] == [0, 1]  # batch 2 never reached the engines
     engines.fail_step, engines.version = None, 1
-    rollouts.relaunch(1, version=1)
-    again = rollouts.wait(1)
-    assert again.version == 1 and {c.policy_version for c in again.completions} == {1}
+    for step in (1, 2):
+        rollouts.relaunch(step, policy_version=1)
+    again = [rollouts.wait(step) for step in (1, 2)]
+    assert [r.policy_version for r in again] == [1, 1] and {c.policy_version for r in again for c in r.completions} == {
+        1
+    }
+    assert [step for step, _ in engines.calls] == [0, 1, 1, 2]
 
 
 def test_a_checkpoint_of_the_batches_in_flight_restores_the_same_prompts_and_samples():
@@ -111,14 +126,16 @@ def test_a_checkpoint_of_the_batches_in_flight_restores_the_same_prompts_and_sam
     sampler, saved = rollouts.state()  # batches 1 and 2 in flight, generated
     assert [r.step for r in saved] == [1, 2]
     packed = pack_rollouts(saved)
-    assert packed[0]["token_ids"].dtype == torch.long and packed[0]["lengths"].tolist() == [2] * 4 * N
+    assert packed[0]["token_ids"].dtype == torch.int32 and packed[0]["lengths"].tolist() == [2] * 4 * N
     restored = schedule(2, FakeEngines())
     restored.sampler.next_batch(7)  # wherever the new sampler was: the checkpoint's state wins
     restored.load(sampler, unpack_rollouts(packed))
     for step in (1, 2):
         a, b = rollouts.rollouts[step], restored.rollouts[step]
         assert [p.token_ids for p in a.prompts] == [p.token_ids for p in b.prompts]
-        assert a.completions == b.completions and a.version == b.version
+        assert a.completions == b.completions and a.policy_version == b.policy_version
+    with pytest.raises(ValueError, match=r"trainer\.prompts_per_step it was made with"):
+        RolloutSchedule(2, PromptSampler(prompts(10), 3), 3, FakeEngines()).load(sampler, unpack_rollouts(packed))
     # and the next prompts drawn are the ones the uninterrupted schedule draws next
     rollouts.launch(1, 1, last_step=9)
     restored.launch(1, 1, last_step=9)

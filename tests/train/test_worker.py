@@ -11,7 +11,7 @@ from logra_rl.orchestration.cluster import start_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
 from logra_rl.rollout.resync import bucket_tensors
-from logra_rl.train.api import NoChange
+from logra_rl.train.api import NoChange, StaleBatch
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import aggregate_epochs
 from tests.orchestration.test_controller import run_config
@@ -146,9 +146,9 @@ def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_beha
             ray.shutdown()
 
     assert fresh.policy_version == 1 and fresh.metrics["async/staleness"] == 0
-    assert "async/refused" not in fresh.metrics
-    assert isinstance(stale.update, NoChange) and "algorithm.staleness_kl=0.001" in stale.update.reason
-    assert stale.policy_version == 1 and stale.metrics["async/refused"] == 1 and stale.metrics["async/staleness"] == 1
+    assert not isinstance(fresh.update, NoChange)
+    assert isinstance(stale.update, StaleBatch) and "algorithm.staleness_kl=0.001" in stale.update.reason
+    assert stale.policy_version == 1 and stale.metrics["train/skipped"] == 1 and stale.metrics["async/staleness"] == 1
     assert all(torch.equal(before[name], after[name]) for name in before)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.load_state_dict(before)

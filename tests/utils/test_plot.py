@@ -289,8 +289,9 @@ def test_plot_run_shows_busy_fractions_and_the_behaviour_kl_against_its_bound(tm
                 "perf/rollout_busy": 0.6,
                 "perf/updates_per_hour": 3600.0,
                 "async/staleness": float(step > 0),
-                "async/behaviour_kl": 0.2 if step == 3 else 0.01,
+                "async/behaviour_kl": 0.01,
                 "async/refused": float(step == 3),
+                **({"async/refused_behaviour_kl": 0.2} if step == 3 else {}),
             },
         )
         for step in range(6)
@@ -305,6 +306,6 @@ def test_plot_run_shows_busy_fractions_and_the_behaviour_kl_against_its_bound(tm
     staleness = lines(titles["staleness"])
     assert staleness["bound 0.1"][1] == [0.1, 0.1]
     assert staleness["sampled again: 1"] == ([3], [0.2])
-    assert staleness["async/behaviour_kl"][1][3] == 0.2
+    assert staleness["async/behaviour_kl"][1] == [0.01] * 6
     [updates] = [axis for axis in figures[0].axes if axis.get_ylabel() == "updates behind"]
     assert list(updates.lines[0].get_ydata()) == [0.0] + [1.0] * 5
