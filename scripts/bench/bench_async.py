@@ -8,8 +8,8 @@ preset and several seeds, each pair on the same cores.
 
 `--pinned` (the default) runs both loops with `cluster.pin_cores=true`: each group on its own cores for the whole
 run, as on GPUs; `--shared` keeps the CPU default (both groups' threads on every core). Runs go one at a time
-(side by side they would measure contention) into OUT/runs/<arm>/seed<k>/ (scripts/bench/bench_methods.py's
-launcher; a finished run is not rerun). Per run and per seed pair:
+(side by side they would measure contention) into OUT/runs/<arm>/seed<k>/ (`logra_rl.utils.bench_runs`; a
+finished run is not rerun). Per run and per seed pair:
 - updates per hour: 3600 × committed updates / the wall seconds of steps 1..N−1 (step 0 pays the start-up);
   the asynchronous over the synchronous run of the same seed;
 - the last 20 steps' mean train reward, and its difference from the synchronous run's;
@@ -28,10 +28,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench_methods import finished, launch, run_dir, spread
 from rich.console import Console
 from rich.table import Table
 
+from logra_rl.utils.bench_runs import finished, launch, run_dir, spread
 from logra_rl.utils.plot import Run, load_run
 
 PINNED = "cluster.pin_cores=true cluster.device=cpu"

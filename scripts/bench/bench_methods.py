@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import shlex
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from logra_rl.utils.bench_runs import finished, launch, run_dir, spread
 from logra_rl.utils.plot import Run, load_run
-from logra_rl.utils.timing import timed
 
 KL = "train/kl_realized"
 EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
@@ -50,58 +47,6 @@ EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")
 def default_arms(preset: str) -> dict[str, str]:
     """The preset (LoGRA) and its tuned baselines, the presets `<preset>_dense` and `<preset>_lora`."""
     return {"logra": "", "dense": f"+experiment={preset}_dense", "lora": f"+experiment={preset}_lora"}
-
-
-def run_dir(out: Path, arm: str, seed: int) -> Path:
-    return out / "runs" / arm / f"seed{seed}"
-
-
-def finished(path: Path, steps: int) -> bool:
-    """The run logged the record of step `steps` (the eval after its last update) or went further."""
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        return False
-    lines = metrics.read_text().splitlines()
-    return bool(lines) and json.loads(lines[-1]).get("step", -1) >= steps
-
-
-def launch(preset: str, overrides: str, steps: int, seed: int, out: Path, arm: str, checkpoint_every: int) -> None:
-    """One `logra-train` run (or the rest of one), its output in OUT/runs/<arm>/seed<k>.log; its wall time,
-    summed over the launches that made it, goes to bench_wall_s.json in the run directory."""
-    path = run_dir(out, arm, seed)
-    arm_overrides = shlex.split(overrides)
-    experiment = [] if any(o.startswith("+experiment=") for o in arm_overrides) else [f"+experiment={preset}"]
-    command = [
-        str(Path(sys.executable).with_name("logra-train")),
-        *experiment,
-        *arm_overrides,
-        f"trainer.total_steps={steps}",
-        f"trainer.checkpoint_every={checkpoint_every}",
-        f"trainer.seed={seed}",
-        f"trainer.output_dir={out / 'runs'}",
-        f"experiment_name={arm}",
-        f"trainer.run_name=seed{seed}",
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[bench_methods] {arm} seed {seed}: {shlex.join(command)}", flush=True)
-    with open(path.parent / f"seed{seed}.log", "a") as log:
-        finished, wall = timed(lambda: subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False))
-    code = finished.returncode
-    if code != 0:
-        raise SystemExit(f"{arm} seed {seed} failed (exit {code}); see {path.parent / f'seed{seed}.log'}")
-    record = path / "bench_wall_s.json"
-    earlier = json.loads(record.read_text())["wall_s"] if record.is_file() else 0.0
-    record.write_text(json.dumps({"wall_s": earlier + wall}))
-
-
-def spread(values: list[float]) -> dict[str, float | int]:
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-    }
 
 
 def cumulative_kl(run: Run) -> dict[int, float]:

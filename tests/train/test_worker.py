@@ -69,6 +69,22 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
 
 
+def response_batch(**fields) -> TrainBatch:
+    """4 rows of 12 tokens, the last 6 a response sampled with log-prob −4 each, advantages of both signs."""
+    input_ids = random_batch(4, 12, seed=2)
+    loss_mask = torch.zeros(input_ids.shape)
+    loss_mask[:, 6:] = 1
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.full(input_ids.shape, -4.0) * loss_mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        finished=torch.ones(4, dtype=torch.bool),
+        **fields,
+    )
+
+
 def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
     """Two FSDP2 ranks, tied embeddings (a parameter of the root, which a forward-only pass leaves gathered):
     `train/kl_realized` is the exact KL per generated token between the model before the step and the model
@@ -79,17 +95,8 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)
     overrides = ["model=hf", f"model.path={path}", "optimizer=dense", "optimizer.lr=1e-3", "logra.kl.probe_responses=2"]
     config = RunConfig.from_mapping(run_config(overrides))
-    input_ids = random_batch(4, 12, seed=2)
-    loss_mask = torch.zeros(input_ids.shape)
-    loss_mask[:, 6:] = 1
-    batch = TrainBatch(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        loss_mask=loss_mask,
-        rollout_logprobs=torch.full(input_ids.shape, -4.0),
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        finished=torch.ones(4, dtype=torch.bool),
-    )
+    batch = response_batch()
+    input_ids, loss_mask = batch.input_ids, batch.loss_mask
     owns_ray = start_ray(config)
     group = TrainGroup(config, str(path))
     try:
@@ -120,18 +127,8 @@ def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_beha
     tiny_qwen3(seed=4).save_pretrained(path)
     overrides = ["model=hf", f"model.path={path}", "logra.kl.probe_responses=2", "algorithm.staleness_kl=1e-3"]
     config = RunConfig.from_mapping(run_config(overrides))
-    input_ids = random_batch(4, 12, seed=2)
-    loss_mask = torch.zeros(input_ids.shape)
-    loss_mask[:, 6:] = 1
-    batch = TrainBatch(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        loss_mask=loss_mask,
-        rollout_logprobs=torch.full(input_ids.shape, -4.0) * loss_mask,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        finished=torch.ones(4, dtype=torch.bool),
-        policy_version=torch.zeros(4, dtype=torch.long),  # sampled by the start's weights
-    )
+    batch = response_batch(policy_version=torch.zeros(4, dtype=torch.long))  # sampled by the start's weights
+    input_ids, loss_mask = batch.input_ids, batch.loss_mask
     owns_ray = start_ray(config)
     group = TrainGroup(config, str(path))
     try:
