@@ -258,18 +258,18 @@ class TrainWorker:
         if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
             with timer("old_logprobs"):
                 batch = replace(batch, old_logprobs=self.logprobs(batch))
-        per_epoch, updates, first = [], [], {}
+        per_epoch, updates = [], []
         staleness = self.rule.version - self._sampled_version(batch)
         for epoch in range(algorithm.epochs):
             sums = self._forward_backward(batch, timer)
-            first = first or sums  # the rollout-vs-trainer mismatch before this step moved the weights
-            behaviour_kl = first["behaviour_kl"] / max(first["tokens"], 1)
-            if epoch == 0 and staleness > 0 and behaviour_kl > algorithm.staleness_kl:
-                self.rule.drop_backward()  # nothing moves: the controller has the batch sampled again by this policy
-                bound = algorithm.staleness_kl
-                reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
-                metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
-                return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
+            if epoch == 0:  # the mismatch and behaviour KL before this step moved the weights
+                first, behaviour_kl = sums, sums["behaviour_kl"] / max(sums["tokens"], 1)
+                if staleness > 0 and behaviour_kl > algorithm.staleness_kl:
+                    self.rule.drop_backward()  # nothing moves: the controller has the batch sampled again
+                    bound = algorithm.staleness_kl
+                    reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
+                    metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
+                    return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],
@@ -299,7 +299,7 @@ class TrainWorker:
         release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)
         metrics["train/mismatch"] = first["mismatch_all"] / max(first["tokens"], 1)
-        metrics.update(self._staleness_metrics(staleness, first["behaviour_kl"] / max(first["tokens"], 1)))
+        metrics.update(self._staleness_metrics(staleness, behaviour_kl))
         metrics.update(self._memory_metrics())
         metrics.update(timer.seconds)
         return metrics, step_update(updates)
