@@ -119,7 +119,7 @@ class SyncConfig:
 class OptimizerConfig:
     """`name`: logra (default), dense (AdamW with the paper's warm-up + cosine schedule) or
     lora (peft adapters on `model.target_modules` trained with the same AdamW and schedule). `measure_kl`: dense
-    and LoRA log how far each step moved the policy (`train/kl_realized`) on the probe rows LoGRA uses."""
+    and LoRA log how far each step moved the policy (`train/kl_realized`) on the rows LoGRA's guard uses."""
 
     name: str = "logra"
     lr: float = 1e-6
@@ -131,8 +131,8 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    # dense and LoRA: measure each step's KL on LoGRA's probe rows (`train/kl_realized`), as LoGRA does;
-    # two forwards of `logra.kl.probe_responses` rows per step
+    # dense and LoRA: measure each step's KL on the rows LoGRA's guard measures (`train/kl_realized`);
+    # two forwards of `logra.kl.guard_responses` rows per step
     measure_kl: bool = True
 
     def __post_init__(self) -> None:
@@ -290,9 +290,16 @@ class TrainerConfig:
     grader_timeout_s: float = 10.0
     max_restarts: int = 3  # the train group is rebuilt from the last checkpoint this many times in a run
     step_timeout_s: float = 3600.0  # a train step (or checkpoint) that takes longer counts as a hung group
+    # Every heldout_every steps, heldout_responses responses per train rank (at most a quarter of its rows) are
+    # withheld from the gradient and the KL guard, and the step's KL is measured on them (heldout/kl): a figure
+    # nothing was tuned on. 0: never
+    heldout_every: int = 10
+    heldout_responses: int = 4
 
     def __post_init__(self) -> None:
         check_non_negative_int("trainer.max_restarts", self.max_restarts, "0: stop on a loss")
+        check_non_negative_int("trainer.heldout_every", self.heldout_every, "0: never")
+        check_positive_int("trainer.heldout_responses", self.heldout_responses)
         check_positive("trainer.step_timeout_s", self.step_timeout_s)
         for key in ("total_steps", "prompts_per_step", "micro_batch_tokens", "keep_checkpoints", "grader_workers"):
             check_positive_int(f"trainer.{key}", getattr(self, key))

@@ -15,12 +15,14 @@ Sections, in order (`--only a,b` runs some of them; the worker sections run toge
   versions      torch, CUDA, NCCL, driver (nvidia-smi), GPU, host.
   projections   A drawn on the device equals A drawn on the CPU bit for bit; a whole-model redraw (28 × 7 targets).
   sketch_bf16   bf16-autocast sketches vs the fp32 dense gradient times Aᵀ (relative error < 5%; small model).
-  kl_bf16       finite-difference q, realised KL and the KL guard's KL under bf16 within 0.8–1.25 of fp32 (small).
+  kl_bf16       under bf16 the guard's trial forward is the committed model's bit for bit and its KL the rounded
+                merge's exact KL; the fp32 JVP within 0.8–1.25 of the fp32 KL; the rounded merge's KL over
+                fp32's, reported (small).
   worker        the project's TrainWorker on a Qwen2.5-7B-shaped model cut to 2 layers (hidden 3584, 28 / 4 heads,
                 intermediate 18944, vocab 152064), fp32 masters written to a checkpoint and set up the trainer's way
                 (rank-0 load, meta build, FSDP2 over nccl, broadcast): every resync bucket equals the checkpoint.
   step          one bf16 `train_step` on an 8,192-token batch (2 rows × 4,096; `trainer.micro_batch_tokens`), the
-                JVP KL probe on `kl.probe_responses` rows × `kl.probe_max_tokens` tokens, the guard, the commit and
+                KL probe on `kl.probe_responses` rows, the guard on `kl.guard_responses` rows, the commit and
                 `to_bytes`: step and phase times, peak memory, payload size, (de)serialisation times.
   merge         that payload merged into a bf16 + tail copy of the targets (the engines' residual and chunk rows)
                 equals split_master of the trainer's fp32 master bit for bit; untargeted weights did not move.
@@ -69,12 +71,14 @@ from transformers import Qwen2ForCausalLM
 import logra_rl
 from logra_rl.config import OptimizerConfig, RunConfig, TrainerConfig
 from logra_rl.logra import (
+    KLRows,
     LoGRAConfig,
     LoGRAOptimizer,
     MergeTarget,
     PayloadEntry,
     PayloadMerger,
     UpdatePayload,
+    exact_kl,
     hf_targets,
     join_master,
     make_projection,
@@ -412,7 +416,10 @@ def sketch_bf16(report: Report, ctx: Context) -> None:
 
 
 def kl_bf16(report: Report, ctx: Context) -> None:
-    """q from the fp32 JVP vs the finite-difference probe and the realised KL under bf16 autocast (small)."""
+    """Under bf16 autocast the guard measures the rounded merge: a forward inside `trial(α)` is the committed model's
+    forward bit for bit, and the measured KL is the exact KL between the bf16 policies before and after the commit.
+    Reported beside it: the fp32 KL of the same step (the JVP's prediction checked against it), and how many times
+    larger the rounded merge's KL is, at a step of the default budget (small model)."""
     device, shape = ctx.device, SMALL_QWEN2
     model = model_on(device, shape, 2, seed=4)
     config = dataclasses.replace(LoGRAConfig(), rank=64)
@@ -426,28 +433,25 @@ def kl_bf16(report: Report, ctx: Context) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             return model(input_ids=x).logits
 
-    def fp32(x):
-        return model(input_ids=x).logits
-
-    jvp = opt.probe_kl(fp32, ids, mask, 1.0)
-    realised = opt.realized_kl(fp32, ids, mask, 1.0, 1.0)
-    opt.config = dataclasses.replace(config, kl=dataclasses.replace(config.kl, estimator="finite_difference"))
-    finite_difference = opt.probe_kl(bf16, ids, mask, 1.0)
-    realised_bf16 = opt.realized_kl(bf16, ids, mask, 1.0, 1.0)
-    # The KL guard under bf16: its realised KL comes from the JVP's bf16 primal pass kept as the unstepped
-    # forward, the step enlarged to be resolved; it must equal the fp32 KL of the α it chose.
-    opt.config = config
-    guarded = opt.guarded_step(bf16, ids, mask, 1.0, budget=jvp)
-    guarded_fp32 = opt.realized_kl(fp32, ids, mask, 1.0, guarded.alpha)
-    opt.discard()
-    ratios = {
-        "fd_bf16_over_jvp_fp32": finite_difference / jvp,
-        "realized_bf16_over_fp32": realised_bf16 / realised,
-        "guard_bf16_over_fp32": guarded.kl / guarded_fp32,
-    }
-    for key, ratio in ratios.items():
-        report.value(key, ratio)
-        report.check(key, 0.8 <= ratio <= 1.25, f"{ratio:.3g}: a KL measured under bf16 against fp32 (0.8–1.25)")
+    rows_bf16, rows_fp32 = KLRows(bf16, ids, mask), KLRows(lambda x: model(input_ids=x).logits, ids, mask)
+    q = opt.probe_kl(rows_fp32, 1.0)  # the JVP, fp32
+    alpha = math.sqrt(config.kl.budget / q)
+    measured = opt.realized_kl(rows_bf16, 1.0, alpha).mean
+    fp32 = opt.realized_kl(rows_fp32, 1.0, alpha).mean
+    with torch.no_grad():
+        before = bf16(ids)
+        with opt.trial(alpha):
+            trial = bf16(ids)
+    opt.commit(alpha)
+    with torch.no_grad():
+        after = bf16(ids)
+    exact = float(exact_kl(before[:, :-1], after[:, :-1], 1.0).mean())
+    report.check("trial_is_commit", torch.equal(trial, after), "the trial's bf16 logits equal the committed model's")
+    report.value("measured_over_exact", measured / exact)
+    report.check("measured_over_exact", abs(measured / exact - 1) < 1e-4, f"{measured:.4g} vs {exact:.4g}")
+    report.value("jvp_over_fp32", q * alpha**2 / fp32)
+    report.check("jvp_over_fp32", 0.8 <= q * alpha**2 / fp32 <= 1.25, "the JVP against the fp32 KL (0.8–1.25)")
+    report.value("rounded_merge_over_fp32", measured / fp32)  # the bf16 rounding's share at this budget
 
 
 def worker_setup(report: Report, ctx: Context) -> None:

@@ -5,20 +5,21 @@ Pure torch: nothing here imports Ray, vLLM or Hydra.
 
 from logra_rl.logra.config import DEFAULT_TARGET_MODULES, KLConfig, LoGRAConfig
 from logra_rl.logra.kl import (
-    BaseForward,
+    ATTENTION_BLOCK,
+    POSITION_CHUNK,
     GuardedStep,
     KLController,
+    KLEstimate,
+    KLRows,
     ProbeError,
-    ProbeSums,
     exact_kl,
-    finite_difference_kl,
     jvp_kl,
-    logits_kl,
+    kl_estimate,
     masked_logits,
     predicted_kl,
     reduced_mean_kl,
+    row_kl,
     scheduled_budget,
-    step_kl,
     step_scale,
 )
 from logra_rl.logra.merge import (
@@ -37,11 +38,14 @@ from logra_rl.logra.rowadam import row_adam_direction
 from logra_rl.logra.targets import check_rank, decoder_layers, decoder_of, find_targets
 
 __all__ = [
+    "ATTENTION_BLOCK",
     "DEFAULT_TARGET_MODULES",
-    "BaseForward",
+    "POSITION_CHUNK",
     "GuardedStep",
     "KLConfig",
     "KLController",
+    "KLEstimate",
+    "KLRows",
     "LoGRAConfig",
     "LoGRAOptimizer",
     "MergeTarget",
@@ -50,7 +54,6 @@ __all__ = [
     "PayloadMerger",
     "PayloadRefused",
     "ProbeError",
-    "ProbeSums",
     "UpdatePayload",
     "canonical_name",
     "check_rank",
@@ -58,11 +61,10 @@ __all__ = [
     "decoder_of",
     "exact_kl",
     "find_targets",
-    "finite_difference_kl",
     "hf_targets",
     "join_master",
     "jvp_kl",
-    "logits_kl",
+    "kl_estimate",
     "make_projection",
     "masked_logits",
     "merge_low_rank_",
@@ -71,8 +73,8 @@ __all__ = [
     "projection_seed",
     "reduced_mean_kl",
     "row_adam_direction",
+    "row_kl",
     "scheduled_budget",
     "split_master",
-    "step_kl",
     "step_scale",
 ]

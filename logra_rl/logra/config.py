@@ -27,7 +27,7 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 DISTRIBUTIONS = ("rademacher", "gaussian")
 WIRE_DTYPES = ("bfloat16", "float32")
 KL_SCHEDULES = ("cosine", "constant")
-KL_ESTIMATORS = ("jvp", "finite_difference")
+KL_ESTIMATORS = ("jvp", "finite_difference", "previous")
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,16 @@ class KLConfig:
     # most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
     max_overshoot: float = 1.5
     max_tries: int = 4
-    estimator: str = "jvp"  # jvp (forward-mode AD) | finite_difference (true KL at ±fd_step)
+    # The proposal's q (KL per unit α²): jvp (forward-mode AD on probe_responses rows) | finite_difference (the
+    # KL at ±fd_step on them) | previous (the guard's measurement of the last committed step; none: α = 1)
+    estimator: str = "jvp"
     fd_step: float = 1.0  # finite-difference probe step, in units of the proposal (α)
-    probe_responses: int = 2  # responses probed per data-parallel rank
-    probe_max_tokens: int = 4096
+    probe_responses: int = 2  # responses per data-parallel rank the proposal is estimated on
+    # The guard measures each try on this many responses per rank, drawn at random from the step's batch every
+    # step (0: all of them), and accepts on an upper confidence bound (at guard_confidence) of the batch's KL.
+    guard_responses: int = 8
+    guard_confidence: float = 0.9
+    probe_max_tokens: int = 4096  # every measured row is cut to this many tokens
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
@@ -67,6 +73,13 @@ class KLConfig:
         check_choice("logra.kl.estimator", self.estimator, KL_ESTIMATORS)
         check_positive("logra.kl.fd_step", self.fd_step)
         check_positive_int("logra.kl.probe_responses", self.probe_responses)
+        check_non_negative_int("logra.kl.guard_responses", self.guard_responses, "0: every response of the batch")
+        check(
+            isinstance(self.guard_confidence, int | float) and 0.5 <= self.guard_confidence < 1,
+            "logra.kl.guard_confidence",
+            self.guard_confidence,
+            "must be in [0.5, 1) (0.5: accept on the measured mean)",
+        )
         check_positive_int("logra.kl.probe_max_tokens", self.probe_max_tokens)
         check_bool("logra.kl.mismatch_subtraction", self.mismatch_subtraction)
         check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)

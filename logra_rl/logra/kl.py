@@ -1,36 +1,21 @@
-"""Predicted-KL step control: how far a proposed update moves the policy.
+"""KL control: how far a proposed update moves the policy, measured where the policy acts.
 
-A low-rank step W ← W − s·U·A changes a targeted linear's output by −s·(x·Aᵀ)·Uᵀ. The probes
-inject exactly that change into the layer outputs with forward hooks, so they never touch the
-weights:
+Two measurements, with different jobs:
 
-- `jvp_kl`: forward-mode AD gives the logit tangent ż along the step; the second-order KL
-  per position is Var_{v∼p}(ż_v)/(2T²), so KL(s) ≈ q·s².
-- `finite_difference_kl`: the true KL at s = ±h, q = (KL(h) + KL(−h)) / (2h²).
-- `step_kl`: the true KL of one given step (the "realised" KL of a commit); `logits_kl` over two
-  forwards' `masked_logits`: the same for update rules that step the weights themselves (dense, LoRA).
+- the **proposal**: `jvp_kl` runs forward-mode AD along the step on a few probe rows and gives q, the KL per
+  unit step², so KL(α) ≈ q·α² and α = min(α_max, √(δ_eff/q)) is the step the quadratic model allows. It is a
+  Taylor term on a handful of rows: a guess, right in the median and wrong by orders of magnitude on single
+  steps (`docs/logra.md`, "The trust region").
+- the **guard**: the exact KL of the step as it will be committed, on rows drawn at random from the step's
+  batch (`KLRows`): one unstepped forward, then one forward per try with the weights the commit would leave
+  (`LoGRAOptimizer.trial`, so under bf16 it is the rounded merge the engines will sample from). The rows give a
+  mean per generated token and an upper confidence bound on the batch's mean (`KLEstimate`); the step is shrunk
+  until that bound is within `max_overshoot`·δ_eff, or refused (`KLController.guard`).
 
-Under bf16 (or fp16) compute a LoGRA-sized change (~1e-4 of a layer's output) is below half an ulp
-and rounds away or jumps a whole one, so the two measured KLs are biased. When the targeted layers'
-outputs are low precision, both measure at a step large enough to be resolved (the largest relative
-output change `LOW_PRECISION_RESOLUTION`) and scale back quadratically: KL(s·h)/s². That is exact
-where it applies: a step too small for bf16 to resolve is deep in the quadratic regime, and a step large
-enough to leave it is resolved and measured as it is. In fp32 nothing changes.
-
-Every probe takes `forward(input_ids)` and an optional `head`: with a head, `forward` returns the
-final hidden states and the probe applies `head` (the LM head) to POSITION_CHUNK positions at a time,
-so no (tokens × vocab) logits (nor their tangent) exist beyond one chunk; without one, `forward`
-returns the logits.
-
-The controller turns q into a step scale α = min(α_max, √(δ_eff/q)) against a scheduled
-budget δ, reduced by the measured rollout-vs-trainer mismatch, and then guards it (`KLController.guard`):
-the quadratic model can be wrong by orders of magnitude (a confident softmax whose logits move by several
-nats grows its KL exponentially, not quadratically, in α), so the true KL of the proposed α is measured and
-α is shrunk from the measurement until the step lands within `max_overshoot`·δ, or the update is refused.
-
-Every probe forward runs SDPA's math backend (the fused kernels have no forward-AD rule), so the JVP's
-primal pass can serve as the unstepped forward of every later realised-KL measurement (`BaseForward`):
-each line-search try costs one stepped forward on the probe rows.
+Every forward returns logits, or the final hidden states when `KLRows.head` is set: the probe then applies the
+LM head to POSITION_CHUNK generated positions at a time, so no (tokens × vocab) tensor exists beyond a chunk.
+The guard's forwards run the model as it is (fused attention kernels); only the JVP needs plain ops, which
+`ChunkedAttention` provides one block of queries at a time.
 """
 
 from __future__ import annotations
@@ -39,29 +24,33 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from logra_rl.logra.config import KLConfig
 
 # (linear module, projection A (rank × k_in), factor U (d_out × rank)): the step W ← W − U·A.
 LowRankStep = Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]]
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+ForwardFn = Callable[[torch.Tensor], torch.Tensor]  # input ids (rows × tokens) -> logits or final hidden states
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # hidden states (..., H) -> logits (..., V)
-POSITION_CHUNK = 64  # positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
-# Relative change of a layer's output that a bf16 forward resolves well (8 ulps of bf16's 2^-8).
-LOW_PRECISION_RESOLUTION = 2**-5
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+POSITION_CHUNK = 64  # generated positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
+# Elements of one block of attention scores in the JVP's attention (fp32): 64 MiB, whatever the row length
+ATTENTION_BLOCK = 2**24
 # Each line-search try shrinks α by at least this factor, whatever the measured overshoot says.
 MAX_SHRINK = 0.7
-# A shrunk step whose realised KL is below this share of the budget is tried once more, closer to the budget.
+# A step whose KL bound is below this share of the budget is tried once more, closer to the budget.
 UNDERSHOOT = 0.5
+# Growing a step from one measurement assumes KL ∝ α^GROWTH_EXPONENT: steeper than the quadratic model, as the
+# measured growth usually is (median exponent 2.8 on the quickstart), so a grown step rarely overshoots.
+GROWTH_EXPONENT = 3.0
 
 
 class ProbeError(RuntimeError):
@@ -91,7 +80,184 @@ def exact_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float)
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
-def _output_change(module: nn.Module, x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor):
+@dataclass(frozen=True)
+class KLRows:
+    """Rows a KL is measured on: `forward(input_ids)` runs the policy to its logits, or to its final hidden states
+    when `head` (the LM head, applied in chunks of positions) is set; `loss_mask` marks the generated tokens.
+    `population`: the rows of this rank's batch they were drawn from (0: these rows are all of them)."""
+
+    forward: ForwardFn
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    head: HeadFn | None = None
+    population: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_ids.shape != self.loss_mask.shape or self.input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids {tuple(self.input_ids.shape)} and loss_mask {tuple(self.loss_mask.shape)} "
+                "must both be (rows, tokens)"
+            )
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def first(self, rows: int, max_tokens: int | None = None) -> KLRows:
+        """The first `rows` rows, cut to `max_tokens` (and after their last generated token); all of them keep
+        their population."""
+        ids, mask = self.input_ids[:rows], self.loss_mask[:rows]
+        generated = mask.any(dim=0).nonzero()
+        length = int(generated[-1]) + 1 if len(generated) else mask.shape[1]
+        length = min(length, max_tokens or length)
+        population = self.population if rows >= len(self) else 0
+        return KLRows(self.forward, ids[:, :length], mask[:, :length], self.head, population)
+
+
+@torch.no_grad()
+def masked_logits(
+    features: torch.Tensor, loss_mask: torch.Tensor, head: HeadFn | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(row index, logits) of the predictions of generated tokens, POSITION_CHUNK of them at a time: from logits,
+    or from hidden states through `head`. Logits at position p predict token p+1: p counts iff token p+1 is
+    generated. No (tokens × vocab) tensor exists beyond a chunk, however many rows there are."""
+    where = loss_mask[:, 1:].bool().nonzero()
+    for start in range(0, len(where), POSITION_CHUNK):
+        rows, positions = where[start : start + POSITION_CHUNK].unbind(1)
+        part = features[rows, positions]
+        yield rows, part if head is None else head(part)
+
+
+LogitChunks = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (row index, logits) chunks, as `masked_logits` yields
+
+
+def row_kl(
+    before: LogitChunks, after: LogitChunks, rows: int, temperature: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ KL(π_before ‖ π_after), generated positions) per row (float64, on `device`) over matching chunks of
+    `masked_logits`: how far an update moved the policy on each row, whatever moved it (a LoGRA step, AdamW, LoRA)."""
+    sums = torch.zeros(rows, dtype=torch.float64, device=device)
+    counts = torch.zeros(rows, dtype=torch.float64, device=device)
+    for (index, logits_p), (_, logits_q) in zip(before, after, strict=True):
+        index = index.to(device)
+        sums.index_add_(0, index, exact_kl(logits_p.to(device), logits_q.to(device), temperature))
+        counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+    return sums, counts
+
+
+def _all_reduce(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(values)
+    return values
+
+
+@dataclass(frozen=True)
+class KLEstimate:
+    """KL(π_before ‖ π_after) per generated token over measured rows (all ranks): `mean`, and `upper`, a one-sided
+    confidence bound on the mean over the rows they were drawn from (equal to `mean` when they are all of them)."""
+
+    mean: float
+    upper: float
+    rows: int
+    tokens: int
+    row_cv: float = 0.0  # how much the rows differ: the sd of Σ_row KL − mean·tokens_row over mean·tokens per row
+
+
+def kl_estimate(sums: torch.Tensor, counts: torch.Tensor, population: int, confidence: float) -> KLEstimate:
+    """The ratio estimator Σ KL / Σ tokens over the rows of every rank and its upper confidence bound.
+
+    The rows are a simple random sample of `population` rows per rank (0: the rows are the population). The
+    bound is mean + z·se with the ratio estimator's standard error (its residuals s_i − R·c_i, with the
+    finite-population correction, so measuring every row gives se = 0) and z the normal quantile of
+    `confidence`. Every rank gets the same estimate, so every rank takes the same decision on it."""
+    drawn = float(len(sums))
+    stats = torch.stack(
+        [
+            sums.sum(),
+            counts.sum(),
+            sums.square().sum(),
+            counts.square().sum(),
+            (sums * counts).sum(),
+            sums.new_tensor(drawn),
+            sums.new_tensor(float(population) if population else drawn),
+        ]
+    )
+    total, tokens, sums_sq, counts_sq, cross, rows, pool = _all_reduce(stats.double()).tolist()
+    if tokens == 0:
+        raise ProbeError("the KL measurement saw no generated tokens; check loss_mask and logra.kl.probe_max_tokens")
+    mean = total / tokens
+    if not (math.isfinite(mean) and mean >= 0):
+        raise FloatingPointError(f"a KL measurement returned {mean}")
+    upper, row_cv = mean, 0.0
+    if rows >= 2:
+        residuals = max(sums_sq - 2 * mean * cross + mean**2 * counts_sq, 0.0)  # Σ (s_i − R·c_i)²
+        spread = math.sqrt(residuals / (rows - 1)) / (tokens / rows)  # the sd of a row's KL per token, roughly
+        row_cv = spread / mean if mean > 0 else 0.0
+        # the ratio estimator's standard error, with the finite-population correction
+        upper = mean + NormalDist().inv_cdf(confidence) * spread * math.sqrt(max(1 - rows / pool, 0.0) / rows)
+    return KLEstimate(mean, upper, int(rows), int(tokens), row_cv)
+
+
+def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor) -> float:
+    """Σ KL / positions summed over the ranks (when torch.distributed is initialised): every rank gets the
+    same mean, so every rank takes the same decision on it."""
+    total, count = _all_reduce(torch.stack([total, count]).double()).tolist()
+    if count == 0:
+        raise ProbeError("the KL probe saw no generated tokens; check loss_mask and logra.kl.probe_max_tokens")
+    kl = total / count
+    if not (math.isfinite(kl) and kl >= 0):
+        raise FloatingPointError(f"a KL measurement returned {kl}")
+    return kl
+
+
+# ---- the proposal: forward-mode AD along the step ---------------------------------------------------------
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` in plain fp32 ops (so forward-mode AD runs through it), a block of queries
+    at a time: scores for at most ATTENTION_BLOCK (query, key) pairs exist at once, instead of the math kernel's
+    rows × heads × L² (~50 GiB a layer at 32 heads and 8k tokens)."""
+    if dropout_p:
+        raise ValueError("the KL probe runs the policy without dropout")
+    heads, queries, keys = query.shape[-3], query.shape[-2], key.shape[-2]
+    if key.shape[-3] != heads:  # grouped-query attention: each KV head serves a group of query heads
+        key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    key_t, value = key.float().transpose(-2, -1), value.float()
+    block = max(1, ATTENTION_BLOCK // (math.prod(query.shape[:-2]) * keys))
+    outputs = []
+    for start in range(0, queries, block):
+        scores = (query[..., start : start + block, :].float() @ key_t) * scale
+        if is_causal:  # query i sees keys up to i + (keys − queries)
+            seen = torch.arange(start, start + scores.shape[-2], device=query.device)[:, None] + (keys - queries)
+            scores = scores.masked_fill(torch.arange(keys, device=query.device) > seen, -math.inf)
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., start : start + block, :]
+            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+        outputs.append((scores.softmax(dim=-1) @ value).to(query.dtype))
+    return torch.cat(outputs, dim=-2)
+
+
+class ChunkedAttention(TorchFunctionMode):
+    """Routes every `F.scaled_dot_product_attention` call to `chunked_attention` (the fused kernels have no
+    forward-AD rule, and the math kernel holds all the scores of a layer at once)."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return chunked_attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _output_change(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """−(x·Aᵀ)·Uᵀ in fp32 (autocast off), shaped like the layer output."""
     with torch.autocast(device_type=x.device.type, enabled=False):
         flat = x.reshape(-1, projection.shape[1]).float()
@@ -100,7 +266,18 @@ def _output_change(module: nn.Module, x: torch.Tensor, projection: torch.Tensor,
 
 
 @contextmanager
-def _hooks(step: LowRankStep, make_hook: Callable[[torch.Tensor, torch.Tensor], Callable]) -> Iterator[None]:
+def _tangent(step: LowRankStep) -> Iterator[None]:
+    """Hooks that add the step's output change to each targeted linear's forward-AD tangent."""
+
+    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            x = fwAD.unpack_dual(args[0]).primal
+            primal, tangent = fwAD.unpack_dual(output)
+            change = _output_change(x, projection, factor).to(primal.dtype)
+            return fwAD.make_dual(primal, change if tangent is None else tangent + change)
+
+        return hook
+
     handles = [module.register_forward_hook(make_hook(a, u)) for module, a, u in step]
     try:
         yield
@@ -109,235 +286,28 @@ def _hooks(step: LowRankStep, make_hook: Callable[[torch.Tensor, torch.Tensor], 
             handle.remove()
 
 
-def _shifted(step: LowRankStep, scale: float):
-    """Hooks that turn each targeted linear into its stepped version W − scale·U·A."""
-
-    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            change = _output_change(module, args[0], projection, factor)
-            return output + (scale * change).to(output.dtype)
-
-        return hook
-
-    return _hooks(step, make_hook)
-
-
-@dataclass(frozen=True)
-class BaseForward:
-    """The policy's forward on the probe rows without the step, kept for the realised-KL measurements.
-
-    `change_ratio` is the largest ‖change‖/‖output‖ of the step at scale 1 over the targeted linears whose
-    outputs are low precision (`low_precision`): how far a measurement must enlarge the step to resolve it.
-    """
-
-    features: torch.Tensor
-    low_precision: bool = False
-    change_ratio: float = 0.0
-
-    def resolvable_scale(self, scale: float) -> float:
-        """How much to enlarge a step of `scale` so a low-precision forward resolves it (1 in fp32)."""
-        change = self.change_ratio * abs(scale)
-        if not self.low_precision or change == 0 or change >= LOW_PRECISION_RESOLUTION:
-            return 1.0
-        return LOW_PRECISION_RESOLUTION / change
-
-    def for_step(self, scale: float) -> BaseForward:
-        """The same forward, seen from the step scaled by `scale` (a line-search try at α = scale)."""
-        return replace(self, change_ratio=self.change_ratio * abs(scale))
+def jvp_kl(rows: KLRows, step: LowRankStep, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ predicted KL per unit step², generated positions) over `rows`, by forward-mode AD, one row at a time
+    (every rank must run as many forwards: give each the same row count)."""
+    total = torch.zeros((), dtype=torch.float64, device=rows.input_ids.device)
+    count = torch.zeros((), dtype=torch.float64, device=rows.input_ids.device)
+    with torch.no_grad(), ChunkedAttention(), _tangent(step):
+        for row in range(len(rows)):
+            one = KLRows(rows.forward, rows.input_ids[row : row + 1], rows.loss_mask[row : row + 1], rows.head)
+            with fwAD.dual_level():
+                features = one.forward(one.input_ids)
+                if fwAD.unpack_dual(features).tangent is None:
+                    raise ProbeError(
+                        "the JVP was lost between the targeted layers and the logits; does `forward` detach "
+                        "activations or run the targets under a different module instance?"
+                    )
+                for _, logits in masked_logits(features, one.loss_mask, one.head):  # dual: logits and tangent
+                    total += predicted_kl(*fwAD.unpack_dual(logits)[:2], temperature).sum()
+                    count += logits.shape[0]
+    return total, count
 
 
-class _ChangeRecord:
-    """Collects, over the targeted linears, whether any output is low precision and the largest relative
-    output change of the step there (fp32 outputs resolve any step, so they are not sized)."""
-
-    def __init__(self) -> None:
-        self.low_precision = False
-        self.change_ratio = 0.0
-
-    def add(self, output: torch.Tensor, change: torch.Tensor) -> None:
-        if output.dtype not in LOW_PRECISION:
-            return
-        self.low_precision = True
-        size = float(torch.linalg.vector_norm(output.float()))
-        if size > 0:
-            self.change_ratio = max(self.change_ratio, float(torch.linalg.vector_norm(change.float())) / size)
-
-    def base(self, features: torch.Tensor) -> BaseForward:
-        return BaseForward(features, self.low_precision, self.change_ratio)
-
-
-def base_forward(forward: LogitsFn, input_ids: torch.Tensor, step: LowRankStep) -> BaseForward:
-    """The unstepped forward, sized against `step` (for fp32 outputs the step is never computed)."""
-    record = _ChangeRecord()
-
-    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            if output.dtype in LOW_PRECISION:
-                record.add(output, _output_change(module, args[0], projection, factor))
-
-        return hook
-
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), _hooks(step, make_hook):
-        features = forward(input_ids)
-    return record.base(features)
-
-
-def _tangent(step: LowRankStep, record: _ChangeRecord):
-    """Hooks that add the step's output change to each targeted linear's forward-AD tangent (and size it)."""
-
-    def make_hook(projection: torch.Tensor, factor: torch.Tensor) -> Callable:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            x = fwAD.unpack_dual(args[0]).primal
-            primal, tangent = fwAD.unpack_dual(output)
-            change = _output_change(module, x, projection, factor)
-            record.add(primal, change)
-            change = change.to(primal.dtype)
-            return fwAD.make_dual(primal, change if tangent is None else tangent + change)
-
-        return hook
-
-    return _hooks(step, make_hook)
-
-
-def _target_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Logits at position p predict token p+1: count p iff token p+1 is a generated (loss) token."""
-    return loss_mask[:, 1:].bool()
-
-
-def _chunk_logits(features: torch.Tensor, chunk: slice, head: HeadFn | None) -> torch.Tensor:
-    """The logits predicting tokens of `chunk` (positions 0..T−2), from logits or through `head`."""
-    part = features[:, :-1][:, chunk]
-    return part if head is None else head(part)
-
-
-@dataclass(frozen=True)
-class ProbeSums:
-    """A probe's Σ KL over the masked positions, their count, and the unstepped forward it ran."""
-
-    total: torch.Tensor
-    count: torch.Tensor
-    base: BaseForward
-
-
-def jvp_kl(
-    forward: LogitsFn,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    step: LowRankStep,
-    temperature: float,
-    head: HeadFn | None = None,
-) -> ProbeSums:
-    """Σ predicted KL (per unit scale²) over generated-token predictions, via forward-mode AD.
-
-    The JVP's primal pass is the unstepped forward: it comes back as `base` for realised-KL measurements.
-    """
-    record = _ChangeRecord()
-    with torch.no_grad(), fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]), _tangent(step, record):
-        features = forward(input_ids)
-        if fwAD.unpack_dual(features).tangent is None:
-            raise ProbeError(
-                "the JVP was lost between the targeted layers and the logits; does `forward` detach "
-                "activations or run the targets under a different module instance?"
-            )
-
-        total = torch.zeros((), dtype=torch.float64, device=features.device)
-        count = 0
-        for logits in masked_logits(features, loss_mask, head):  # dual tensors: logits and their tangent
-            total += predicted_kl(*fwAD.unpack_dual(logits)[:2], temperature).sum()
-            count += logits.shape[0]
-        count = torch.tensor(float(count), dtype=torch.float64, device=features.device)
-        primal = fwAD.unpack_dual(features).primal  # stays valid after the dual level: the unstepped forward
-    return ProbeSums(total, count, record.base(primal))
-
-
-def step_kl(
-    forward: LogitsFn,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    step: LowRankStep,
-    temperature: float,
-    scale: float,
-    base: BaseForward | None = None,
-    head: HeadFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ KL(π ‖ π_stepped), number of positions) for the step scaled by `scale`, exact in the model.
-
-    `base` (the unstepped forward, sized against `step`) saves a forward. Under low-precision compute the
-    step is measured at scale·s with s = `base.resolvable_scale(scale)` and the KL divided by s² (see the
-    module docstring).
-    """
-    base = base if base is not None else base_forward(forward, input_ids, step)
-    enlarge = base.resolvable_scale(scale)
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), _shifted(step, scale * enlarge):
-        stepped = forward(input_ids)
-    before, after = masked_logits(base.features, loss_mask, head), masked_logits(stepped, loss_mask, head)
-    total, count = logits_kl(before, after, temperature, base.features.device)
-    return total / enlarge**2, count
-
-
-@torch.no_grad()
-def masked_logits(
-    features: torch.Tensor, loss_mask: torch.Tensor, head: HeadFn | None = None
-) -> Iterator[torch.Tensor]:
-    """The logits predicting generated tokens, POSITION_CHUNK positions at a time ((predictions × vocab) each):
-    from logits, or from hidden states through `head`, so no (tokens × vocab) tensor exists beyond a chunk."""
-    positions = _target_positions(loss_mask)
-    for start in range(0, positions.shape[1], POSITION_CHUNK):
-        chunk = slice(start, start + POSITION_CHUNK)
-        mask = positions[:, chunk]
-        if mask.any():
-            yield _chunk_logits(features, chunk, head)[mask]
-
-
-@torch.no_grad()
-def logits_kl(
-    before: Iterable[torch.Tensor], after: Iterable[torch.Tensor], temperature: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ KL(π_before ‖ π_after), number of predictions) on `device` over matching chunks of `masked_logits`: how
-    far an update moved the policy on the probe rows, whatever moved it (a low-rank step, AdamW, LoRA adapters)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    for logits_p, logits_q in zip(before, after, strict=True):
-        total += exact_kl(logits_p.to(device), logits_q.to(device), temperature).sum()
-        count += logits_p.shape[0]
-    return total, torch.tensor(float(count), dtype=torch.float64, device=device)
-
-
-def reduced_mean_kl(total: torch.Tensor, count: torch.Tensor) -> float:
-    """Σ KL / positions summed over the ranks (when torch.distributed is initialised): every rank gets the
-    same mean, so every rank takes the same decision on it."""
-    if dist.is_available() and dist.is_initialized():
-        packed = torch.stack([total, count])
-        dist.all_reduce(packed)
-        total, count = packed
-    if count == 0:
-        raise ProbeError("the KL probe saw no generated tokens; check loss_mask and kl.probe_max_tokens")
-    kl = float(total / count)
-    if not (math.isfinite(kl) and kl >= 0):
-        raise FloatingPointError(f"a KL measurement returned {kl}")
-    return kl
-
-
-def finite_difference_kl(
-    forward: LogitsFn,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    step: LowRankStep,
-    temperature: float,
-    fd_step: float,
-    head: HeadFn | None = None,
-) -> ProbeSums:
-    """Σ q over the positions with q = (KL(+h) + KL(−h)) / (2h²): the symmetric difference cancels the cubic term.
-
-    Under low-precision compute h is enlarged until the step is resolved (`BaseForward.resolvable_scale`).
-    """
-    base = base_forward(forward, input_ids, step)
-    h = fd_step * base.resolvable_scale(fd_step)
-    total = torch.zeros((), dtype=torch.float64, device=base.features.device)
-    for scale in (h, -h):
-        kl_sum, count = step_kl(forward, input_ids, loss_mask, step, temperature, scale, base, head)
-        total += kl_sum
-    return ProbeSums(total / (2 * h**2), count, base)
+# ---- the budget and the guard -----------------------------------------------------------------------------
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
@@ -361,19 +331,25 @@ def step_scale(q: float, budget: float, alpha_max: float) -> float:
 
 @dataclass(frozen=True)
 class GuardedStep:
-    """The controller's decision for one update: what was predicted, measured and (if `accepted`) committed."""
+    """The controller's decision for one update: what was predicted, every measurement, and the α to commit
+    (when `accepted`; else the last one tried)."""
 
-    q: float  # predicted KL per unit α²
+    q: float | None  # the proposal's KL per unit α² (None: nothing to propose from; the first try is α = 1)
     budget: float  # δ_eff
-    tried: tuple[tuple[float, float], ...]  # (α, realised KL) of every measurement, the proposed α first
-    alpha: float  # the α to commit when accepted (the last one tried when refused)
-    kl: float  # its realised KL
+    tried: tuple[tuple[float, KLEstimate], ...]  # (α, its measured KL) of every try, the proposed α first
+    alpha: float
+    measured: KLEstimate  # the KL of `alpha`
     accepted: bool
-    seconds: float = 0.0  # spent measuring the realised KLs (the line search's share of the probe)
+    seconds: float = 0.0  # spent measuring (the guard's share of the step)
 
     @property
     def tries(self) -> int:
         return len(self.tried)
+
+    @property
+    def kl(self) -> float:
+        """The measured mean KL per token of `alpha` on the guard rows."""
+        return self.measured.mean
 
     @property
     def proposed_alpha(self) -> float:
@@ -382,30 +358,36 @@ class GuardedStep:
 
     @property
     def predicted(self) -> float:
-        """q·α² at the committed α."""
-        return self.q * self.alpha**2
+        """q·α² at the committed α (nan without a q)."""
+        return math.nan if self.q is None else self.q * self.alpha**2
 
     @property
     def calibration(self) -> float:
-        """Realised over predicted KL at the proposed α: how far the quadratic model was off (nan at q = 0)."""
-        alpha, kl = self.tried[0]
-        predicted = self.q * alpha**2
-        return kl / predicted if predicted > 0 else math.nan
+        """Measured over predicted KL at the proposed α: how far the proposal was off (nan without a q, or at 0)."""
+        alpha, measured = self.tried[0]
+        predicted = math.nan if self.q is None else self.q * alpha**2
+        return measured.mean / predicted if predicted > 0 else math.nan
 
     def refusal(self) -> str:
         return (
-            f"KL guard: after {self.tries} tries the realised KL was still {self.kl / self.budget:.3g}x the "
-            f"budget {self.budget:.3g} (alpha {self.proposed_alpha:.3g} proposed, {self.alpha:.3g} last tried); "
+            f"KL guard: after {self.tries} tries the KL bound was still {self.measured.upper / self.budget:.3g}x "
+            f"the budget {self.budget:.3g} (alpha {self.proposed_alpha:.3g} proposed, {self.alpha:.3g} last tried); "
             "the update is skipped"
         )
 
 
 class KLController:
-    """The KL budget for each update: schedule, minus the EMA of the rollout-vs-trainer mismatch (floored)."""
+    """The KL budget for each update (schedule, minus the EMA of the rollout-vs-trainer mismatch, floored), and the
+    guard that holds each step to it. Remembers the budgets it granted to the last updates (checkpointed), against
+    which a stale batch's behaviour KL is read."""
+
+    REMEMBERED = 8  # granted budgets kept: a stale batch is at most this many updates behind
 
     def __init__(self, config: KLConfig) -> None:
         self.config = config
         self.mismatch = 0.0  # EMA of max(0, mean(log π_rollout − log π_trainer)) over finished responses
+        self.granted: dict[int, float] = {}  # policy version after an update -> the budget it was held to
+        self.curvature: float | None = None  # the last committed step's measured KL bound per unit α²
 
     def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
         """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.
@@ -422,69 +404,104 @@ class KLController:
         self.mismatch = (1 - weight) * self.mismatch + weight * max(0.0, observed)
         return max(budget - self.mismatch, self.config.mismatch_budget_floor * budget)
 
+    def budget_since(self, version: int, current: int) -> float | None:
+        """Σ of the budgets granted to the updates from `version` to `current` (None where one is not known: a
+        skipped update, or one from before a restart)."""
+        budgets = [self.granted.get(v) for v in range(version + 1, current + 1)]
+        return sum(budgets) if budgets and None not in budgets else None
+
     def stale_budget(self, update: int, behaviour_kl: float, staleness: int) -> float:
         """δ_eff for an update from a batch sampled `staleness` updates ago (`algorithm.max_staleness`), whose
         KL(π_behaviour ‖ π_train) per token is `behaviour_kl`.
 
         The updates in between were each held to their own budget, so the batch is expected to be about the
-        sum of those budgets away: that part the schedule already granted. What it is beyond them (the guard's
-        overshoot within `max_overshoot`, the engines' numerics, what the probe rows did not see of the batch)
-        is charged like the mismatch, which it contains. A stale batch cannot tell the engines' numerics from
-        its staleness, so it does not update the mismatch EMA: one step off, that keeps what the on-policy first
-        step (and any batch sampled again) measured. The floor holds.
+        sum of those budgets away: that part was granted. What it is beyond them (the guard's overshoot within
+        `max_overshoot`, the engines' numerics, what the guard rows did not see of the batch) is charged like the
+        mismatch, which it contains. A stale batch cannot tell the engines' numerics from its staleness, so it
+        does not update the mismatch EMA. The floor holds.
         """
         budget = scheduled_budget(self.config, update)
         if not self.config.mismatch_subtraction:
             return budget
         if not math.isfinite(behaviour_kl):
             raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
-        granted = sum(scheduled_budget(self.config, max(update - back, 0)) for back in range(1, staleness + 1))
+        granted = self.budget_since(update - staleness, update)
+        if granted is None:
+            granted = sum(scheduled_budget(self.config, max(update - back, 0)) for back in range(1, staleness + 1))
         charge = max(self.mismatch, behaviour_kl - granted)
         return max(budget - charge, self.config.mismatch_budget_floor * budget)
 
-    def alpha(self, q: float, budget: float) -> float:
-        return step_scale(q, budget, self.config.alpha_max)
+    def alpha(self, q: float | None, budget: float) -> float:
+        """The proposed α: from q when there is one, else 1 (the step `update_ratio` sets), at most α_max."""
+        return min(1.0, self.config.alpha_max) if q is None else step_scale(q, budget, self.config.alpha_max)
 
-    def guard(self, q: float, budget: float, realized_kl: Callable[[float], float]) -> GuardedStep:
-        """α from the prediction, then checked against the true KL before anything is committed.
+    def guard(self, q: float | None, budget: float, measure: Callable[[float], KLEstimate]) -> GuardedStep:
+        """α from the proposal, then checked against the measured KL before anything is committed.
 
-        `realized_kl(α)` measures the exact KL of the step at α. While it exceeds `max_overshoot`·budget, α
-        shrinks by √(budget/KL), and by at least MAX_SHRINK, and is measured again: when the KL grows faster
-        than α² (the usual way the quadratic model fails) the shrunk step lands within the budget, often far
-        below it. A step that landed below UNDERSHOOT·budget then gets one more try, at the α where the power
-        law through its last two measurements meets the budget, kept only if it is within the bound too.
-        After `max_tries` measurements without a step within the bound the update is refused.
+        `measure(α)` gives the KL of the step at α on the guard rows; the decisions read its upper bound. While
+        the bound exceeds `max_overshoot`·budget, α shrinks by √(budget/bound), and by at least MAX_SHRINK, and is
+        measured again: when the KL grows faster than α² (the usual way the quadratic model fails) the shrunk
+        step lands within the budget, often far below it. A step within the bound but below UNDERSHOOT·budget
+        gets one more try closer to the budget (on the power law through the last two measurements, or, after
+        one, KL ∝ α^GROWTH_EXPONENT up to α_max), kept only if it is within the bound too. After `max_tries`
+        measurements without a step within the bound the update is refused.
         """
-        limit = self.config.max_overshoot * budget
-        tried: list[tuple[float, float]] = []
+        config = self.config
+        limit = config.max_overshoot * budget
+        tried: list[tuple[float, KLEstimate]] = []
         start = time.perf_counter()
 
-        def measure(alpha: float) -> float:
-            kl = realized_kl(alpha)
-            if not (math.isfinite(kl) and kl >= 0):
+        def measured(alpha: float) -> KLEstimate:
+            estimate = measure(alpha)
+            if not (math.isfinite(estimate.upper) and estimate.mean >= 0):
                 raise FloatingPointError(
-                    f"realised KL {kl} at alpha={alpha:.3g} is not a finite non-negative number; the step is refused"
+                    f"measured KL {estimate.mean} at alpha={alpha:.3g} is not a finite non-negative number; "
+                    "the step is refused"
                 )
-            tried.append((alpha, kl))
-            return kl
+            tried.append((alpha, estimate))
+            return estimate
 
         alpha = self.alpha(q, budget)
-        kl = measure(alpha)
-        while kl > limit and len(tried) < self.config.max_tries:
-            alpha *= min(MAX_SHRINK, math.sqrt(budget / kl))
-            kl = measure(alpha)
-        accepted = kl <= limit
-        if accepted and len(tried) >= 2 and kl < UNDERSHOOT * budget and len(tried) < self.config.max_tries:
-            (above, kl_above), (below, kl_below) = tried[-2], tried[-1]
-            exponent = math.log(kl_above / kl_below) / math.log(above / below) if kl_below > 0 else math.nan
-            if math.isfinite(exponent) and exponent > 0:
-                candidate = below * (budget / kl_below) ** (1 / exponent)  # < above: kl_below < budget < kl_above
-                if (kl_candidate := measure(candidate)) <= limit:
-                    alpha, kl = candidate, kl_candidate
-        return GuardedStep(q, budget, tuple(tried), alpha, kl, accepted, time.perf_counter() - start)
+        estimate = measured(alpha)
+        while estimate.upper > limit and len(tried) < config.max_tries:
+            alpha *= min(MAX_SHRINK, math.sqrt(budget / estimate.upper))
+            estimate = measured(alpha)
+        accepted = estimate.upper <= limit
+        if accepted and estimate.upper < UNDERSHOOT * budget and len(tried) < config.max_tries:
+            candidate = self._closer(tried, budget)
+            if candidate is not None and (closer := measured(candidate)).upper <= limit:
+                alpha, estimate = candidate, closer
+        return GuardedStep(q, budget, tuple(tried), alpha, estimate, accepted, time.perf_counter() - start)
 
-    def state_dict(self) -> dict[str, float]:
-        return {"mismatch": self.mismatch}
+    def _closer(self, tried: list[tuple[float, KLEstimate]], budget: float) -> float | None:
+        """An α whose KL bound should meet `budget`, from the last measurements (None: no better guess): on the
+        power law through the last two when the step was shrunk, else KL ∝ α^GROWTH_EXPONENT up to α_max."""
+        alpha, last = tried[-1]
+        if last.upper <= 0 or not math.isfinite(self.config.max_overshoot):  # inf: the guard is off
+            return None
+        if len(tried) == 1:
+            if alpha >= self.config.alpha_max:
+                return None
+            return min(self.config.alpha_max, alpha * (budget / last.upper) ** (1 / GROWTH_EXPONENT))
+        above, over = tried[-2]
+        if not (above > alpha and over.upper > last.upper):
+            return None
+        exponent = math.log(over.upper / last.upper) / math.log(above / alpha)
+        return alpha * (budget / last.upper) ** (1 / exponent)  # below `above`: its bound was past the budget
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
+    def record(self, version: int, step: GuardedStep) -> None:
+        """The update that made policy `version` was `step`: its budget is kept for `budget_since`, its measured
+        curvature for the next proposal (`kl.estimator=previous`)."""
+        self.granted[version] = step.budget
+        self.curvature = step.measured.upper / step.alpha**2 if step.alpha > 0 else None
+        for old in [v for v in self.granted if v <= version - self.REMEMBERED]:
+            del self.granted[old]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mismatch": self.mismatch, "granted": dict(self.granted), "curvature": self.curvature}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mismatch = float(state["mismatch"])
+        # absent in older checkpoints
+        self.granted = {int(v): float(b) for v, b in state.get("granted", {}).items()}
+        self.curvature = state.get("curvature")

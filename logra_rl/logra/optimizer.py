@@ -6,8 +6,10 @@
     payload = opt.commit(alpha=1.0)      # merge into the fp32 weights, redraw A, return the payload
 
 Between prepare and commit the KL helpers measure the proposal: `probe_kl` (q, the KL per
-unit α²), `realized_kl` (the exact KL of a given α) and `guarded_step` (both, and the α within the
-KL budget that may be committed, or a refusal). `discard()` drops a prepared update and restores the
+unit α², on a few probe rows), `realized_kl` (the exact KL of a given α on a sample of rows, with an
+upper confidence bound) and `guarded_step` (both, and the α within the KL budget that may be
+committed, or a refusal). Every measurement of a step runs the model inside `trial(α)`, with the
+weights the commit would leave, bit for bit. `discard()` drops a prepared update and restores the
 RowAdam state, so a refused step changes nothing.
 
 Data parallel: if torch.distributed is initialised, `prepare` sums the sketches over the
@@ -19,25 +21,27 @@ dim 0; each rank then merges only its own rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from logra_rl.logra.config import LoGRAConfig
 from logra_rl.logra.kl import (
-    BaseForward,
     GuardedStep,
-    HeadFn,
     KLController,
-    LogitsFn,
+    KLEstimate,
+    KLRows,
     LowRankStep,
-    ProbeSums,
-    finite_difference_kl,
     jvp_kl,
+    kl_estimate,
+    masked_logits,
     reduced_mean_kl,
-    step_kl,
+    row_kl,
 )
 from logra_rl.logra.merge import merge_low_rank_
 from logra_rl.logra.payload import WIRE_TORCH_DTYPES, PayloadEntry, UpdatePayload
@@ -181,18 +185,9 @@ class LoGRAOptimizer:
             raise FloatingPointError(f"alpha={alpha} is not finite; the update is refused")
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
-        wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
         entries = []
-        for target, direction in zip(self.targets, self._directions, strict=True):
-            factor = (alpha * direction).to(wire_dtype)
-            weight, offset = local_rows(target.module.weight)
-            merge_low_rank_(
-                weight,
-                factor[offset : offset + weight.shape[0]],
-                target.projection,
-                chunk_rows=self.config.merge_chunk_rows,
-                row_offset=offset,
-            )
+        for target, factor in zip(self.targets, self._factors(alpha), strict=True):
+            self._merge(target, factor)
             entries.append(PayloadEntry(target.name, target.out_features, target.in_features, factor))
         payload = UpdatePayload(
             base_version=self.policy_version,
@@ -210,6 +205,22 @@ class LoGRAOptimizer:
             self._draw_projections()
         self._finish()
         return payload
+
+    def _factors(self, alpha: float) -> list[torch.Tensor]:
+        """U = round_wire(α·D) for every target: the factors of commit(α), in its payload and its merge."""
+        wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
+        return [(alpha * direction).to(wire_dtype) for direction in self._directions]
+
+    def _merge(self, target: LinearSketch, factor: torch.Tensor) -> None:
+        """W −= U·A on this rank's rows of the target's fp32 master weight."""
+        weight, offset = local_rows(target.module.weight)
+        merge_low_rank_(
+            weight,
+            factor[offset : offset + weight.shape[0]],
+            target.projection,
+            chunk_rows=self.config.merge_chunk_rows,
+            row_offset=offset,
+        )
 
     def discard(self) -> None:
         """Drop the prepared update: weights untouched, RowAdam state restored, sketches zeroed."""
@@ -238,107 +249,90 @@ class LoGRAOptimizer:
 
     # ---- KL ---------------------------------------------------------------------------------
 
-    def probe_kl(
-        self,
-        forward: LogitsFn,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        temperature: float,
-        head: HeadFn | None = None,
-    ) -> float:
+    @contextmanager
+    def trial(self, alpha: float) -> Iterator[None]:
+        """Inside, every forward of the model computes with the weights commit(α) would leave, bit for bit (the
+        same factors and merge); outside and afterwards, the weights are exactly as before.
+
+        The step is merged into the fp32 masters of one unit at a time as that unit's forward starts, and the
+        saved rows put back when it ends: an FSDP2 unit (a decoder layer), whose bf16 all-gather then carries the
+        rounded merge the engines will hold, or the target itself for a model without FSDP2. Only one unit's
+        rows are ever held twice. α may be negative (the finite-difference probe)."""
+        if not self.prepared:
+            raise RuntimeError("no update is prepared; call prepare() first")
+        factors = dict(zip(map(id, self.targets), self._factors(alpha), strict=True))
+        handles = []
+        for unit, targets in _units(self.model, self.targets).items():
+            merged = _MergedUnit(unit, [(target, factors[id(target)]) for target in targets], self._merge)
+            handles.append(unit.register_forward_pre_hook(merged.enter, prepend=True))  # before FSDP2 gathers
+            handles.append(unit.register_forward_hook(merged.leave, always_call=True))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def probe_kl(self, rows: KLRows, temperature: float) -> float:
         """q: predicted KL per generated token of the prepared update at α = 1 (KL(α) ≈ q·α²).
 
-        `forward(input_ids) -> logits` must run the model as the policy (eval mode, no dropout); with
-        `head`, `forward` returns the final hidden states and the LM head runs in chunks of positions.
-        The first `kl.probe_responses` rows, truncated to `kl.probe_max_tokens`, are probed; the
-        estimator is `kl.estimator`. Under data parallelism every rank probes the same row count.
+        `rows.forward` must run the model as the policy (eval mode, no dropout). The first `kl.probe_responses`
+        rows, cut to `kl.probe_max_tokens`, are probed (the same count on every rank); the estimator is
+        `kl.estimator`: the JVP, or the exact KL at ±`kl.fd_step` (`trial`).
         """
-        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
-        sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
-        return reduced_mean_kl(sums.total, sums.count)
-
-    def realized_kl(
-        self,
-        forward: LogitsFn,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        temperature: float,
-        alpha: float,
-        head: HeadFn | None = None,
-    ) -> float:
-        """The exact KL per generated token that commit(alpha) will cause, wire rounding included, on the probe rows.
-
-        Measured before the commit with the step injected by output hooks (the weights are not touched).
-        """
-        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
-        return self._realized(forward, input_ids, loss_mask, temperature, alpha, None, head)
-
-    def guarded_step(
-        self,
-        forward: LogitsFn,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        temperature: float,
-        budget: float,
-        head: HeadFn | None = None,
-    ) -> GuardedStep:
-        """q, the α it proposes for `budget`, and that α checked before anything is committed: its realised KL
-        is measured and α shrunk while it exceeds `kl.max_overshoot`·budget (`KLController.guard`).
-
-        Commit `result.alpha` when `result.accepted`, else `discard()`. The probe's unstepped forward is
-        reused, so each try costs one forward on the probe rows; every rank takes the same decisions (the
-        measurements are all-reduced), so their collectives stay in step.
-        """
-        input_ids, loss_mask = self._probe_rows(input_ids, loss_mask)
-        sums = self._probe_sums(forward, input_ids, loss_mask, temperature, head)
-        q = reduced_mean_kl(sums.total, sums.count)
-
-        def realized(alpha: float) -> float:
-            return self._realized(forward, input_ids, loss_mask, temperature, alpha, sums.base, head)
-
-        return self.kl_controller.guard(q, budget, realized)
-
-    def _probe_sums(
-        self,
-        forward: LogitsFn,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        temperature: float,
-        head: HeadFn | None,
-    ) -> ProbeSums:
+        rows = self._probe_rows(rows)
         kl = self.config.kl
+        if kl.estimator == "previous":
+            raise ValueError("logra.kl.estimator=previous has no probe: q is the last committed step's measurement")
         if kl.estimator == "jvp":
-            return jvp_kl(forward, input_ids, loss_mask, self.proposal(), temperature, head)
-        return finite_difference_kl(forward, input_ids, loss_mask, self.proposal(), temperature, kl.fd_step, head)
+            return reduced_mean_kl(*jvp_kl(rows, self.proposal(), temperature))
+        base = _features(rows)
+        h = kl.fd_step
+        return sum(self._measure(rows, base, scale, temperature, 0.5).mean for scale in (h, -h)) / (2 * h**2)
 
-    def _realized(
-        self,
-        forward: LogitsFn,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        temperature: float,
-        alpha: float,
-        base: BaseForward | None,
-        head: HeadFn | None,
-    ) -> float:
-        """Mean exact KL of commit(alpha) on rows already cut by `_probe_rows`; `base` was sized at α = 1."""
-        wire_dtype = WIRE_TORCH_DTYPES[self.config.wire_dtype]
-        step = [(module, a, (alpha * d).to(wire_dtype)) for module, a, d in self.proposal()]
-        base = base.for_step(alpha) if base is not None else None
-        total, count = step_kl(forward, input_ids, loss_mask, step, temperature, 1.0, base, head)
-        return reduced_mean_kl(total, count)
+    def realized_kl(self, rows: KLRows, temperature: float, alpha: float, confidence: float = 0.5) -> KLEstimate:
+        """The exact KL per generated token that commit(alpha) will cause, wire rounding and the compute dtype's
+        rounding of the merged weights included, on `rows` (cut to `kl.probe_max_tokens`), with an upper bound on
+        the KL over `rows.population` at `confidence`. The weights are not touched (`trial`)."""
+        rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
+        return self._measure(rows, _features(rows), alpha, temperature, confidence)
 
-    def _probe_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if input_ids.shape != loss_mask.shape or input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} "
-                "must both be (batch, length)"
-            )
-        count = torch.tensor(min(self.config.kl.probe_responses, input_ids.shape[0]), device=input_ids.device)
+    def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
+        """q on the first `kl.probe_responses` of `rows`, the α it proposes for `budget`, and that α checked
+        before anything is committed: its KL is measured on all of `rows` (the guard's, drawn at random from the
+        step's batch) and α shrunk while the upper bound at `kl.guard_confidence` exceeds `kl.max_overshoot`·budget
+        (`KLController.guard`).
+
+        Commit `result.alpha` when `result.accepted`, else `discard()`. Each try costs one forward on the rows;
+        every rank takes the same decisions (the measurements are all-reduced), so their collectives stay in step.
+        """
+        previous = self.config.kl.estimator == "previous"
+        q = self.kl_controller.curvature if previous else self.probe_kl(rows, temperature)
+        rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
+        base = _features(rows)
+        confidence = self.config.kl.guard_confidence
+
+        def measure(alpha: float) -> KLEstimate:
+            return self._measure(rows, base, alpha, temperature, confidence)
+
+        return self.kl_controller.guard(q, budget, measure)
+
+    def _measure(
+        self, rows: KLRows, base: torch.Tensor, alpha: float, temperature: float, confidence: float
+    ) -> KLEstimate:
+        with self.trial(alpha):
+            stepped = rows.forward(rows.input_ids)
+        mask, head = rows.loss_mask, rows.head
+        before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
+        sums, counts = row_kl(before, after, len(rows), temperature, base.device)
+        return kl_estimate(sums, counts, rows.population, confidence)
+
+    def _probe_rows(self, rows: KLRows) -> KLRows:
+        """The first `probe_responses` rows (the fewest any rank has), cut to `probe_max_tokens`."""
+        count = torch.tensor(min(self.config.kl.probe_responses, len(rows)), device=rows.input_ids.device)
         if _distributed():
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        rows, length = int(count), self.config.kl.probe_max_tokens
-        return input_ids[:rows, :length], loss_mask[:rows, :length]
+        return rows.first(int(count), self.config.kl.probe_max_tokens)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -382,3 +376,50 @@ class LoGRAOptimizer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self._draw_projections()
         self.zero_sketches()
+
+
+class _MergedUnit:
+    """One unit's targets with a step merged into their fp32 rows for the length of the unit's forward."""
+
+    def __init__(
+        self,
+        unit: nn.Module,
+        steps: list[tuple[LinearSketch, torch.Tensor]],
+        merge: Callable[[LinearSketch, torch.Tensor], None],
+    ) -> None:
+        self.unit, self.steps, self.merge = unit, steps, merge
+        self.saved: list[torch.Tensor] = []
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self._reshard()  # a unit left gathered (FSDP2's root) would not gather the merged rows
+        for target, factor in self.steps:
+            self.saved.append(local_rows(target.module.weight)[0].clone())
+            self.merge(target, factor)
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        for (target, _), rows in zip(self.steps, self.saved, strict=False):
+            local_rows(target.module.weight)[0].copy_(rows)
+        self.saved.clear()
+        self._reshard()  # nothing of the merged weights stays gathered
+
+    def _reshard(self) -> None:
+        if isinstance(self.unit, FSDPModule):
+            self.unit.reshard()
+
+
+def _units(model: nn.Module, targets: list[LinearSketch]) -> dict[nn.Module, list[LinearSketch]]:
+    """The module whose forward gathers each target's weight: its innermost FSDP2 unit, or itself."""
+    owner: dict[int, nn.Module] = {}
+    for module in model.modules():  # parents before children: the innermost unit is written last
+        if isinstance(module, FSDPModule):
+            owner.update(dict.fromkeys(map(id, module.modules()), module))
+    units: dict[nn.Module, list[LinearSketch]] = {}
+    for target in targets:
+        units.setdefault(owner.get(id(target.module), target.module), []).append(target)
+    return units
+
+
+def _features(rows: KLRows) -> torch.Tensor:
+    """The policy's forward on `rows` as it is (no step), without gradients."""
+    with torch.no_grad():
+        return rows.forward(rows.input_ids)

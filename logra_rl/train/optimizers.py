@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,27 +24,26 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from logra_rl.config import OptimizerConfig, RunConfig
-from logra_rl.logra import LoGRAOptimizer, ProbeError, UpdatePayload, logits_kl, masked_logits, reduced_mean_kl
+from logra_rl.logra import (
+    ATTENTION_BLOCK,
+    POSITION_CHUNK,
+    KLRows,
+    LoGRAOptimizer,
+    ProbeError,
+    UpdatePayload,
+    kl_estimate,
+    masked_logits,
+    row_kl,
+)
 from logra_rl.models.footprint import TRAINING, ModelFootprint, Part
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
 from logra_rl.train.lora import add_lora
 from logra_rl.utils.checkpoint import UPDATE_STATE
 from logra_rl.utils.shards import full_tensor
 
-
-@dataclass(frozen=True)
-class KLProbe:
-    """The rows an update's KL is measured on (LoGRA's proposal, a dense or LoRA step): `forward(input_ids)`
-    runs the policy to its logits, or to its final hidden states when `head` (the LM head, applied by the probe
-    in chunks of positions) is set."""
-
-    forward: Callable[[torch.Tensor], torch.Tensor]
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+Predictions = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (row index, logits) chunks, as `masked_logits` yields
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,70 @@ class UpdateInputs:
     num_tokens: float  # loss tokens over all ranks
     mismatch_sum: float  # Σ log π_rollout − log π_train over finished responses' tokens (0 after epoch 0)
     mismatch_tokens: int
-    probe: Callable[[], KLProbe]  # built only by a rule that measures KL (LoGRA; dense and LoRA with measure_kl)
+    # the rows the step's KL is measured on (the guard's; the probe takes the first ones); built only by a rule
+    # that measures KL (LoGRA; dense and LoRA with measure_kl)
+    kl_rows: Callable[[], KLRows]
     staleness: int = 0  # updates since the policy that sampled the batch (algorithm.max_staleness; 0: this one)
     behaviour_kl: float = 0.0  # KL(π_behaviour ‖ π_train) per token of such a stale batch
+
+
+@contextmanager
+def policy_forward(model: nn.Module) -> Iterator[None]:
+    """The policy as the engines run it (eval mode: no dropout; no gradients), on every rank (FSDP2's forward is a
+    collective). Train mode comes back after the block, and FSDP2's root is resharded: a forward-only pass leaves
+    it gathered, and a step taken then would leave the gathered copy stale."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train()
+        if isinstance(model, FSDPModule):
+            model.reshard()
+
+
+def predictions(rows: KLRows, head_trains: bool, offload: bool) -> Predictions:
+    """The policy's predictions at the generated positions of `rows`, kept to be compared with the policy after an
+    update (`moved`); run inside `policy_forward`. Where the LM head does not train (LoGRA, LoRA) the final hidden
+    states are kept and the head applied when compared; else the logits themselves (on the host when `offload`)."""
+    features = rows.forward(rows.input_ids)
+    chunks = masked_logits(features, rows.loss_mask, rows.head)
+    if not head_trains:
+        return chunks  # lazy: the head runs in `moved`, one chunk at a time
+    return [(index, logits.cpu() if offload else logits) for index, logits in chunks]
+
+
+def measured_rows(config: RunConfig, responses: int) -> int:
+    """Rows per train rank a measurement of `responses` per rank takes (0: every response of the rank's batch)."""
+    per_rank = math.ceil(config.trainer.prompts_per_step * config.rollout.n / config.cluster.train_workers)
+    return min(responses or per_rank, per_rank)
+
+
+def forward_memory(model: ModelFootprint, rows: int, length: int) -> float:
+    """A no-grad forward over rows × length tokens: one layer's intermediates at a time (with fused attention, no
+    tokens² scores), and the final hidden states it returns."""
+    return rows * length * (model.saved_frozen + model.hidden * model.compute_bytes)
+
+
+def kl_chunk_memory(model: ModelFootprint) -> float:
+    """The float64 temporaries of one chunk of `exact_kl` (two log-softmaxes, their difference, the product)."""
+    return 5 * 8 * POSITION_CHUNK * model.vocab
+
+
+def kept_predictions(config: RunConfig, model: ModelFootprint, rows: int, length: int, head_trains: bool) -> float:
+    """`predictions` kept for `rows` rows: the logits at their generated tokens where the head trains, else the
+    final hidden states of every token."""
+    if head_trains:
+        return rows * min(config.data.max_response_length, length) * model.vocab * model.compute_bytes
+    return rows * length * model.hidden * model.compute_bytes
+
+
+def moved(before: Predictions, rows: KLRows, temperature: float) -> float:
+    """KL(π_before ‖ π_now) per generated token of `rows` over every rank: how far the updates since `before`
+    (`predictions`) moved the policy there; run inside `policy_forward`."""
+    after = masked_logits(rows.forward(rows.input_ids), rows.loss_mask, rows.head)
+    sums, counts = row_kl(before, after, len(rows), temperature, rows.input_ids.device)
+    return kl_estimate(sums, counts, 0, 0.5).mean
 
 
 @dataclass(frozen=True)
@@ -77,6 +137,7 @@ class UpdateRule(Protocol):
     memory_lean: ClassVar[bool]  # the memory plan suggests this rule to a run that does not fit
     sends_payloads: ClassVar[bool]  # its updates reach the engines as payloads merged in place (else full resyncs)
     lr_schedule: ClassVar[bool]  # it follows optimizer.lr's warm-up + cosine schedule (cli warns when it is cut short)
+    trains_head: ClassVar[bool]  # its updates move the LM head (a KL measurement then keeps logits, not hidden states)
 
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None: ...
 
@@ -135,6 +196,7 @@ class DenseUpdate:
     memory_lean = False
     sends_payloads = False
     lr_schedule = True
+    trains_head = True
 
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
         self.config = config.optimizer
@@ -158,17 +220,23 @@ class DenseUpdate:
             Part("Adam moments", 8 * model.params / ranks),
             Part("gradients", 4 * model.params / ranks + 2 * 4 * model.layer_params, TRAINING),
         )
-        return RuleMemory(state, model.saved_trainable, DenseUpdate.probe_memory(config, model, cuda))
+        return RuleMemory(state, model.saved_trainable, DenseUpdate.probe_memory(config, model, sequence, cuda))
 
     @staticmethod
-    def probe_memory(config: RunConfig, model: ModelFootprint, cuda: bool) -> tuple[Part, ...]:
-        """With `measure_kl`, the policy's logits before the step at the probe rows' generated-token predictions,
-        in fp32 (on the host on a GPU node); the no-grad forwards run once the backward's activations are freed."""
+    def probe_memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> tuple[Part, ...]:
+        """With `measure_kl`: a no-grad forward over the guard's rows, and the policy's predictions before the step
+        kept at their generated tokens (the logits, on the host on a GPU node, where the head trains; else the final
+        hidden states)."""
         if not config.optimizer.measure_kl:
             return ()
         kl = config.logra.kl
-        kept = 4 * kl.probe_responses * min(config.data.max_response_length, kl.probe_max_tokens) * model.vocab
-        return (Part("KL probe logits", kept, TRAINING, on_host=cuda),)
+        rows, length = measured_rows(config, kl.guard_responses), min(sequence, kl.probe_max_tokens)
+        logits = update_rule_class(config).trains_head  # the logits are kept (on the host on a GPU node)
+        kept = kept_predictions(config, model, rows, length, logits)
+        return (
+            Part("KL measurement", forward_memory(model, rows, length) + kl_chunk_memory(model), TRAINING),
+            Part("KL measurement: predictions before", kept, TRAINING, on_host=cuda and logits),
+        )
 
     @staticmethod
     def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
@@ -191,19 +259,19 @@ class DenseUpdate:
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
         metrics = {"train/lr": lr, "train/grad_norm": grad_norm, "train/skipped": float(skipped)}
         if not skipped:
-            probe = inputs.probe() if self.config.measure_kl else None
-            if probe:
+            rows = inputs.kl_rows() if self.config.measure_kl else None
+            if rows is not None:
                 start = time.perf_counter()
-                with self._probe_pass(probe) as logits:
-                    before = [chunk.cpu() for chunk in logits]  # off the GPU until the step is done
+                with policy_forward(self.model):  # the logits off the GPU while it steps
+                    before = predictions(rows, self.trains_head, offload=rows.input_ids.is_cuda)
                 seconds = time.perf_counter() - start
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             self.policy_version += 1
-            if probe:
+            if rows is not None:
                 start = time.perf_counter()
-                metrics |= self._realized_kl(probe, before)
+                metrics |= self._realized_kl(before, rows)
                 metrics["timing_s/probe"] = seconds + time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
         return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
@@ -211,29 +279,12 @@ class DenseUpdate:
     def drop_backward(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    @contextmanager
-    def _probe_pass(self, probe: KLProbe) -> Iterator[Iterator[torch.Tensor]]:
-        """The policy's forward on the probe rows as the engines run it (no dropout; SDPA's math kernel, as in
-        LoGRA's probe), on every rank (FSDP2's forward is a collective); yields its logits at the generated-token
-        predictions, chunk by chunk. The root is resharded after the block: a forward-only pass leaves it
-        gathered, and a step taken then would leave the gathered copy stale."""
-        self.model.eval()
+    def _realized_kl(self, before: Predictions, rows: KLRows) -> dict[str, float]:
+        """`train/kl_realized` of the step just taken, or nothing when it could not be measured (no generated
+        token, a non-finite KL): the step stands either way, only its measurement is missing."""
         try:
-            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-                features = probe.forward(probe.input_ids)
-            yield masked_logits(features, probe.loss_mask, probe.head)
-        finally:
-            self.model.train()
-            if isinstance(self.model, FSDPModule):
-                self.model.reshard()
-
-    def _realized_kl(self, probe: KLProbe, before: list[torch.Tensor]) -> dict[str, float]:
-        """`train/kl_realized` of the step just taken, or nothing when the probe could not measure it (no
-        generated token, a non-finite KL): the step stands either way, only its measurement is missing."""
-        with self._probe_pass(probe) as after:
-            total, count = logits_kl(before, after, self.temperature, probe.input_ids.device)
-        try:
-            return {"train/kl_realized": reduced_mean_kl(total, count)}  # all-reduced: every rank agrees
+            with policy_forward(self.model):
+                return {"train/kl_realized": moved(before, rows, self.temperature)}  # all-reduced: every rank agrees
         except (ProbeError, FloatingPointError):
             return {}
 
@@ -256,6 +307,8 @@ class DenseUpdate:
 class LoRAUpdate(DenseUpdate):
     """The dense rule over peft LoRA adapters (seeded by `trainer.seed`); the base weights stay frozen."""
 
+    trains_head = False
+
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
         """Adapters with AdamW's moments; backward keeps the adapters' inputs and the rank-wide middle."""
@@ -263,7 +316,7 @@ class LoRAUpdate(DenseUpdate):
         adapters = sum(rank * (d_out + k_in) for d_out, k_in in model.targets)
         state = (Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING))
         saved = model.saved_trainable + model.compute_bytes * (len(model.targets) / model.layers) * rank
-        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, cuda))
+        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, sequence, cuda))
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -284,6 +337,7 @@ class LoGRAUpdate:
     memory_lean = True  # sketches instead of gradients and moments
     sends_payloads = True
     lr_schedule = False  # its step size is the KL budget's
+    trains_head = False
 
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
         self.optimizer = LoGRAOptimizer(model, config.logra)
@@ -295,22 +349,30 @@ class LoGRAUpdate:
         """Sketches (d_out × r) and projections (r × k_in) of every target on every rank, fp32, and row moments;
         the prepared direction (d_out × r) while an update is built. Backward keeps x·Aᵀ (tokens × r) per target.
 
-        The KL probe runs `probe_responses` whole rows without gradients, one layer's intermediates at a time,
-        their final hidden states kept for the stepped pass. The JVP estimator also carries a tangent for each,
-        and its attention runs on SDPA's math backend (no fused kernel has a forward-AD rule): scores,
-        probabilities and their tangents, rows × heads × length² for one layer at a time."""
-        rank, c = config.logra.rank, model.compute_bytes
+        Measuring a step (`LoGRAOptimizer.guarded_step`), first the proposal, then the guard, each freed before the
+        next: the JVP runs one probe row at a time with a tangent for every intermediate and attention in blocks of
+        ATTENTION_BLOCK scores (fp32, with their tangents; keys and values in fp32 repeated to every query head); the
+        guard keeps the unstepped and the stepped final hidden states of its rows, runs no-grad forwards over them
+        (fused attention: one layer's intermediates at a time) and holds one unit's target rows twice (the trial)."""
+        rank, c, ranks = config.logra.rank, model.compute_bytes, config.cluster.train_workers
         state = 4 * rank * (model.target_rows + model.target_cols) + 4 * model.target_rows
         saved = model.saved_frozen + c * (len(model.targets) / model.layers) * rank
         kl = config.logra.kl
-        rows, length = kl.probe_responses, min(sequence, kl.probe_max_tokens)
-        probe = rows * length * (model.saved_frozen + 2 * model.hidden * c)
+        length = min(sequence, kl.probe_max_tokens)
+        rows = measured_rows(config, kl.guard_responses)
+        trial = 4 * model.target_params / model.layers / ranks
+        guard = forward_memory(model, rows, length) + rows * length * model.hidden * c + trial + kl_chunk_memory(model)
+        proposal = 0.0
         if kl.estimator == "jvp":
-            probe = 2 * probe + 4 * rows * model.heads * length**2 * c
+            attention = 6 * 4 * ATTENTION_BLOCK + 2 * 2 * 4 * length * model.heads * model.head_dim
+            proposal = 2 * forward_memory(model, 1, length) + attention + 2 * kl_chunk_memory(model)
+        elif kl.estimator == "finite_difference":
+            probe_rows = min(kl.probe_responses, measured_rows(config, 0))
+            proposal = 2 * forward_memory(model, probe_rows, length) + trial + kl_chunk_memory(model)
         return RuleMemory(
             state=(Part("LoGRA state", state), Part("LoGRA update", 4 * rank * model.target_rows, TRAINING)),
             saved_per_token=saved,
-            probe=(Part("KL probe", probe, TRAINING),),
+            probe=(Part("KL probe and guard", max(guard, proposal), TRAINING),),
             payload=rank * model.target_rows * getattr(torch, config.logra.wire_dtype).itemsize,
         )
 
@@ -329,36 +391,39 @@ class LoGRAUpdate:
 
     def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
         opt = self.optimizer
+        controller, version = opt.kl_controller, opt.policy_version
+        metrics = {}
+        if inputs.staleness:  # the budgets of the updates the batch's behaviour KL spans: the held-out referee's
+            granted = controller.budget_since(version - inputs.staleness, version)
+            metrics = {"async/behaviour_kl_budget": granted} if granted is not None else {}
         try:
             sketch_norm = opt.prepare(num_tokens=inputs.num_tokens)
         except FloatingPointError as error:
             opt.zero_sketches()
-            return {"train/skipped": 1.0}, NoChange(str(error))
-        probe = inputs.probe()
+            return {**metrics, "train/skipped": 1.0}, NoChange(str(error))
         start = time.perf_counter()
-        self.model.eval()  # the probe runs the policy as the engines do: no dropout
         try:
-            controller, version = opt.kl_controller, opt.policy_version
             if inputs.staleness:
                 budget = controller.stale_budget(version, inputs.behaviour_kl, inputs.staleness)
             else:
                 budget = controller.step_budget(version, inputs.mismatch_sum, inputs.mismatch_tokens)
-            step = opt.guarded_step(
-                probe.forward, probe.input_ids, probe.loss_mask, self.temperature, budget, probe.head
-            )
+            with policy_forward(self.model):
+                step = opt.guarded_step(inputs.kl_rows(), self.temperature, budget)
         except (FloatingPointError, ProbeError) as error:
             opt.discard()
-            return {"train/skipped": 1.0}, NoChange(str(error))
-        finally:
-            self.model.train()
-        metrics = {
+            return {**metrics, "train/skipped": 1.0}, NoChange(str(error))
+        metrics |= {
             "logra/kl_budget": budget,
-            "logra/kl_per_unit_step": step.q,
+            **({"logra/kl_per_unit_step": step.q} if step.q is not None else {}),
             "logra/alpha_proposed": step.proposed_alpha,
+            "logra/kl_proposed": step.tried[0][1].mean,  # measured, whether or not it was committed
+            "logra/kl_upper": step.measured.upper,
+            "logra/guard_rows": float(step.measured.rows),
+            "logra/kl_row_cv": step.measured.row_cv,
             "logra/line_search_tries": float(step.tries),
             "logra/overshoot_refused": float(not step.accepted),
             "logra/sketch_norm": sketch_norm,
-            "logra/mismatch_ema": opt.kl_controller.mismatch,
+            "logra/mismatch_ema": controller.mismatch,
             "timing_s/probe": time.perf_counter() - start,
             "timing_s/line_search": step.seconds,
         }
@@ -368,9 +433,10 @@ class LoGRAUpdate:
             opt.discard()
             return {**metrics, "train/skipped": 1.0}, NoChange(step.refusal())
         payload = opt.commit(step.alpha)
+        controller.record(opt.policy_version, step)
         metrics |= {
             "logra/alpha": step.alpha,
-            "logra/kl_predicted": step.predicted,
+            **({"logra/kl_predicted": step.predicted} if step.q is not None else {}),
             "train/kl_realized": step.kl,
             "logra/update_ratio": opt.config.update_ratio * step.alpha,
             "train/skipped": 0.0,

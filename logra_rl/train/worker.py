@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import UpdatePayload, decoder_layers
+from logra_rl.logra import KLRows, ProbeError, UpdatePayload, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
@@ -44,10 +44,19 @@ from logra_rl.train.api import (
 )
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import lora_layers
-from logra_rl.train.optimizers import KLProbe, UpdateInputs, update_rule_class
+from logra_rl.train.optimizers import (
+    Predictions,
+    UpdateInputs,
+    kept_predictions,
+    moved,
+    policy_forward,
+    predictions,
+    update_rule_class,
+)
 from logra_rl.train.weight_export import WeightExport
 from logra_rl.utils.device import compute_dtype, resolve_device
 from logra_rl.utils.memory import GIB, peak_rss_bytes, release_free_memory, rss_bytes
+from logra_rl.utils.seeding import KL_ROWS_STREAM, stream_seed
 from logra_rl.utils.timing import Timer
 
 if TYPE_CHECKING:
@@ -141,6 +150,12 @@ class TrainWorker:
             Part("activations", activations, TRAINING),
             Part("logits", logits, TRAINING),
         ]
+        if config.trainer.heldout_every:  # the held-out rows' predictions, kept through the update
+            length = min(sequence, config.logra.kl.probe_max_tokens)
+            rows = min(config.trainer.heldout_responses, rows)
+            logits = update_rule_class(config).trains_head  # kept on the host on a GPU node; else hidden states
+            kept = kept_predictions(config, model, rows, length, logits)
+            training.append(Part("held-out predictions", kept, TRAINING, on_host=cuda and logits))
         # rank 0 reads the whole checkpoint as fp32 into host memory while its shards exist, then broadcasts it;
         # an fp32 checkpoint is memory-mapped (page cache, which the kernel reclaims), any other is converted
         loaded = 0 if model.checkpoint_bytes == 4 else 4 * model.params
@@ -255,6 +270,7 @@ class TrainWorker:
         algorithm = self.config.algorithm
         clipped = algorithm.clip_low is not None or algorithm.clip_high is not None
         timer = Timer()
+        batch, guard, heldout = self._split(batch, step)
         if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
             with timer("old_logprobs"):
                 batch = replace(batch, old_logprobs=self.logprobs(batch))
@@ -270,12 +286,15 @@ class TrainWorker:
                     reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
                     metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
                     return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
+                if heldout is not None:
+                    with timer("heldout"), policy_forward(self.model):
+                        before = predictions(heldout, self.rule_class.trains_head, offload=self.device.type == "cuda")
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],
                 mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
-                probe=lambda: self._probe(batch),
+                kl_rows=lambda: guard,
                 staleness=staleness if epoch == 0 else 0,
                 behaviour_kl=behaviour_kl if epoch == 0 else 0.0,
             )
@@ -296,13 +315,51 @@ class TrainWorker:
             if isinstance(update, NoChange):
                 break  # nothing moved: a further epoch would rebuild the same update from the same weights
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the probe's)
-        release_free_memory()  # the engines generate next: hand them what this step freed
         metrics = aggregate_epochs(per_epoch)
+        if heldout is not None:
+            with timer("heldout"):
+                metrics.update(self._heldout_metrics(before, heldout, per_epoch))
+        release_free_memory()  # the engines generate next: hand them what this step freed
         metrics["train/mismatch"] = first["mismatch_all"] / max(first["tokens"], 1)
         metrics.update(self._staleness_metrics(staleness, behaviour_kl))
         metrics.update(self._memory_metrics())
         metrics.update(timer.seconds)
         return metrics, step_update(updates)
+
+    def _split(self, batch: TrainBatch, step: int) -> tuple[TrainBatch, KLRows, KLRows | None]:
+        """This rank's rows in a random order (seeded by the run's seed, the step and the rank): on a held-out
+        step (every `trainer.heldout_every`) the first `trainer.heldout_responses` (at most a quarter of the rows)
+        are withheld from the gradient and the KL guard; the guard measures the next `logra.kl.guard_responses`
+        (0: all the rest). Returns the rows to train on (in their order), the guard's rows and the held-out rows
+        (None on other steps)."""
+        trainer, kl = self.config.trainer, self.config.logra.kl
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(self._seed(step, KL_ROWS_STREAM)))
+        withheld = 0
+        if trainer.heldout_every and step % trainer.heldout_every == 0:
+            count = torch.tensor(min(trainer.heldout_responses, len(batch) // 4), device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank measures, or none: each forward is collective
+            withheld = int(count)
+        train = order[withheld:]
+        guard = train[: kl.guard_responses or len(train)]
+        heldout = self._kl_rows(batch.rows(order[:withheld]), 0) if withheld else None
+        return batch.rows(train.sort().values), self._kl_rows(batch.rows(guard), len(train)), heldout
+
+    def _seed(self, step: int, stream: int) -> int:
+        return stream_seed(self.config.trainer.seed, step, stream, self.rank)
+
+    def _heldout_metrics(self, before: Predictions, heldout: KLRows, per_epoch: list[dict[str, float]]) -> dict:
+        """heldout/kl: how far the step's committed updates moved the policy on rows neither the gradient nor the
+        guard saw; heldout/kl_budget: the sum of those updates' budgets (LoGRA)."""
+        committed = [m for m in per_epoch if not m.get("train/skipped")]
+        if not committed:
+            return {}
+        try:
+            with policy_forward(self.model):
+                kl = moved(before, heldout, self.temperature)
+        except (ProbeError, FloatingPointError):
+            return {}
+        budgets = [m["logra/kl_budget"] for m in committed if "logra/kl_budget" in m]
+        return {"heldout/kl": kl} | ({"heldout/kl_budget": sum(budgets)} if budgets else {})
 
     def _sampled_version(self, batch: TrainBatch) -> int:
         """The oldest policy version that sampled a row of the group's batch (rows that do not say: this one's)."""
@@ -415,19 +472,17 @@ class TrainWorker:
         dist.all_reduce(reduced)
         return dict(zip(SUMS, reduced.tolist(), strict=True))
 
-    def _probe(self, batch: TrainBatch) -> KLProbe:
-        """The KL probe rows (LoGRA's, and the realised KL of dense and LoRA steps): `probe_responses`
-        responses cut to `probe_max_tokens`, spread evenly over this rank's shard (GRPO's consecutive rows
-        answer one prompt: the probe should see as many prompts as it can), probed through the decoder's
-        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits)."""
-        count = min(self.config.logra.kl.probe_responses, len(batch))  # a shard is never empty (config checks)
-        probe = batch.rows(torch.arange(count) * (len(batch) // count)).trimmed()
-        length = self.config.logra.kl.probe_max_tokens
-        return KLProbe(
+    def _kl_rows(self, rows: TrainBatch, population: int) -> KLRows:
+        """Rows a KL is measured on (`population`: the rank's rows they were drawn from), cut after their last
+        token, probed through the decoder's hidden states with the LM head applied in chunks of positions (no
+        tokens × vocab logits)."""
+        rows = rows.trimmed()
+        return KLRows(
             forward=lambda ids: self._hidden_states(ids),
-            input_ids=probe.input_ids[:, :length].to(self.device),
-            loss_mask=probe.loss_mask[:, :length].to(self.device),
+            input_ids=rows.input_ids.to(self.device),
+            loss_mask=rows.loss_mask.to(self.device),
             head=self._head,
+            population=population,
         )
 
     def _memory_metrics(self) -> dict[str, float]:

@@ -26,6 +26,10 @@ KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted"
 REFUSED = "logra/overshoot_refused"
 BEHAVIOUR_KL = "async/behaviour_kl"  # KL(π_behaviour ‖ π_train) per token of the batch a step trained on
 REFUSED_KL = "async/refused_behaviour_kl"  # that of a batch past algorithm.staleness_kl, sampled again
+# The held-out referee: KL on rows the guard never saw, against the budget(s) of the update(s) it measures
+HELDOUT_KL, HELDOUT_BUDGET = "heldout/kl", "heldout/kl_budget"
+BEHAVIOUR_BUDGET = "async/behaviour_kl_budget"
+HELDOUT_FACTOR = 2.0  # a held-out KL past this many budgets is marked
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
 # Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against; the
@@ -36,7 +40,9 @@ KL_STYLES: dict[str, dict[str, Any]] = {
     KL_BUDGET: {"linestyle": ":", "linewidth": 1.0},
 }
 KL_NAMES = {KL_REALIZED: "realised", KL_PREDICTED: "predicted (q·α²)", KL_BUDGET: "budget δ"}
-# A step over the bound is a violation and must stand out in any run's colour; a refused step committed nothing.
+# The held-out referee's points; one past HELDOUT_FACTOR × its budget must stand out in any run's colour; a refused
+# step committed nothing.
+HELDOUT_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "o", "markersize": 3, "alpha": 0.8, "zorder": 3}
 OVER_BOUND_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "x", "markersize": 7, "color": "red", "zorder": 4}
 REFUSED_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "v", "markersize": 6, "markeredgecolor": "black"}
 RUN_DIR_CONTENTS = "a run directory (outputs/<experiment_name>/<run_name>/) holds metrics.jsonl and config.yaml"
@@ -84,15 +90,20 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
 
 
 def _draw_guard(axis: Any, records: list[dict[str, Any]], max_overshoot: float) -> None:
-    """The bound max_overshoot × budget (thin, dotted), red × on realised KL above it, ▽ at the budget of refused
-    steps: a violation of the guard is visible at a glance."""
+    """The guard's bound max_overshoot × budget (thin, dotted), the held-out KL of each update it could be measured
+    for (dots), red × where that exceeds HELDOUT_FACTOR × its budget, ▽ at the budget of refused steps: how far the
+    updates moved the policy where the guard did not look is visible at a glance."""
     budget = [(r["step"], float(r[KL_BUDGET])) for r in records if r.get(KL_BUDGET) is not None]
     if budget:
         steps, values = zip(*budget, strict=True)
         bound = [max_overshoot * value for value in values]
         axis.plot(steps, bound, linestyle=":", linewidth=0.8, color="gray", label=f"bound {max_overshoot:g} × budget")
-    if over := _over_bound(records, max_overshoot):
-        axis.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"realised over bound: {len(over)}")
+    if held := heldout_points(records):
+        axis.plot([p[0] for p in held], [p[1] for p in held], **HELDOUT_STYLE, color="black", label="held out")
+    if over := _over_heldout(records):
+        axis.plot(
+            *zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"held out > {HELDOUT_FACTOR:g}× budget: {len(over)}"
+        )
     if refused := _refused(records):
         axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"refused: {len(refused)}")
 
@@ -196,7 +207,7 @@ def summarize(run: Run) -> dict[str, str]:
     updates = run.values("perf/updates_per_hour")
     timings = run.values("timing_s/step")
     sync_bytes = _sync_bytes(run)
-    measured, over = _measured(run.records), _over_bound(run.records, run.max_overshoot)
+    held, over = heldout_points(run.records), _over_heldout(run.records)
     refusals = run.values(REFUSED)
     return {
         "run": run.label,
@@ -209,7 +220,7 @@ def summarize(run: Run) -> dict[str, str]:
         "eval pass@k": _final_eval(run, run.passk_key, last_step),
         "KL realised (mean)": _num(_mean(run.values(KL_REALIZED)), ".2e"),
         "KL predicted (mean)": _num(_mean(run.values(KL_PREDICTED)), ".2e"),
-        "KL over bound (steps)": f"{len(over)} / {len(measured)}" if measured else DASH,
+        f"held-out KL > {HELDOUT_FACTOR:g}× budget": f"{len(over)} / {len(held)}" if held else DASH,
         "updates refused": _num(sum(refusals) if refusals else None, ".0f"),
         "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
         "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
@@ -266,27 +277,33 @@ def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
     pass1.set_title("eval pass@1")
     passk.set_title(f"eval pass@{ks.pop()}" if len(ks) == 1 else "eval pass@k")
 
-    any_over = any_refused = False
+    any_held = any_over = any_refused = False
     for run in runs:
         for key, style in KL_STYLES.items():
             steps, values = run.series(key)
             kept = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # log scale: zero KL has no place
             if kept:
                 kl.plot(*zip(*kept, strict=True), color=color[run.label], label=f"{run.label} {KL_NAMES[key]}", **style)
-        if over := _over_bound(run.records, run.max_overshoot):
+        if held := heldout_points(run.records):
+            kl.plot([p[0] for p in held], [p[1] for p in held], **HELDOUT_STYLE, color=color[run.label])
+            any_held = True
+        if over := _over_heldout(run.records):
             kl.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"{run.label} over bound")
             any_over = True
         if refused := _refused(run.records):
             kl.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color=color[run.label], label=f"{run.label} refused")
             any_refused = True
-    kl.set_title("KL per token: realised, predicted, budget")
+    kl.set_title("KL per token: realised, predicted, held out, budget")
     if kl.lines:
         kl.set_yscale("log")
         handles = [Line2D([], [], color="gray", **style) for style in KL_STYLES.values()]
         names = list(KL_NAMES.values())
-        if any_over:  # the markers are explained only where they appear
+        if any_held:  # the markers are explained only where they appear
+            handles.append(Line2D([], [], **HELDOUT_STYLE, color="gray"))
+            names.append("held out (rows the guard never saw)")
+        if any_over:
             handles.append(Line2D([], [], **OVER_BOUND_STYLE))
-            names.append("realised > max_overshoot × budget")
+            names.append(f"held out > {HELDOUT_FACTOR:g}× budget")
         if any_refused:
             handles.append(Line2D([], [], **REFUSED_STYLE, color="gray"))
             names.append("update refused (at its budget)")
@@ -415,19 +432,31 @@ def _max_overshoot(config: dict[str, Any]) -> float:
     return float(value) if isinstance(value, int | float) else DEFAULT_MAX_OVERSHOOT
 
 
-def _measured(records: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """(step, realised KL, budget) of the steps that logged both: those the guard's bound can be checked on."""
-    return [
-        (r["step"], float(r[KL_REALIZED]), float(r[KL_BUDGET]))
+def heldout_points(records: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(step, KL, budget) of every update whose KL was measured on rows the guard never saw: `heldout/kl` (rows
+    withheld from the step, `trainer.heldout_every`), and the behaviour KL of a batch sampled before the update(s)
+    it trained after (`algorithm.max_staleness`), placed at the step that made the first of them. The budget is
+    what those updates were granted (a run from before `async/behaviour_kl_budget`: the budget of the one update
+    committed at that step); dense and LoRA have none and are not listed."""
+    points = [
+        (r["step"], float(r[HELDOUT_KL]), float(r[HELDOUT_BUDGET]))
         for r in records
-        if r.get(KL_REALIZED) is not None and r.get(KL_BUDGET) is not None
+        if r.get(HELDOUT_KL) is not None and r.get(HELDOUT_BUDGET)
     ]
+    budgets = {r["step"]: r[KL_BUDGET] for r in records if r.get(KL_BUDGET) is not None and r.get("logra/alpha")}
+    for r in records:
+        if r.get(BEHAVIOUR_KL) is None or not r.get("async/staleness"):
+            continue
+        step = r["step"] - int(r["async/staleness"])
+        budget = r.get(BEHAVIOUR_BUDGET) or (budgets.get(step) if r["async/staleness"] == 1 else None)  # older runs
+        if budget:
+            points.append((step, float(r[BEHAVIOUR_KL]), float(budget)))
+    return sorted(points)
 
 
-def _over_bound(records: list[dict[str, Any]], max_overshoot: float) -> list[tuple[int, float]]:
-    """(step, realised KL) of committed steps whose realised KL exceeds max_overshoot × budget: the guard should
-    have shrunk them (or the run predates it)."""
-    return [(step, kl) for step, kl, budget in _measured(records) if kl > max_overshoot * budget]
+def _over_heldout(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, KL) of the held-out points past HELDOUT_FACTOR × their budget."""
+    return [(step, kl) for step, kl, budget in heldout_points(records) if kl > HELDOUT_FACTOR * budget]
 
 
 def _refused(records: list[dict[str, Any]]) -> list[tuple[int, float]]:

@@ -11,8 +11,9 @@ own; "above model" is that peak (VmHWM, reset once the model is built) minus the
 
 - train, full logits: `model(ids).logits` → `rl.token_logprobs` → sum → backward (the path before chunking);
 - train, chunked head: decoder hidden states → `rl.head_logprobs` → sum → backward (the train worker's path);
-- probe, full logits / chunked head: `logra.jvp_kl` of a rank-64 step on every attention and MLP projection,
-  forward returning the logits, or the hidden states with the LM head applied 64 positions at a time.
+- probe, full logits / chunked head: `logra.jvp_kl` of a rank-64 step on every attention and MLP projection
+  (one row at a time), forward returning the logits, or the hidden states with the LM head applied 64 positions
+  at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from logra_rl.logra import jvp_kl
+from logra_rl.logra import KLRows, jvp_kl
 from logra_rl.models.shapes import QWEN25_1P5B
 from logra_rl.rl import head_logprobs, token_logprobs
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
@@ -76,10 +77,10 @@ def run_once(variant: str, model: torch.nn.Module, ids: torch.Tensor) -> None:
     else:
         mask = torch.ones_like(ids)
         if variant == "probe_full":
-            total = jvp_kl(lambda x: model(input_ids=x).logits, ids, mask, low_rank_step(model), 1.0).total
+            total, _ = jvp_kl(KLRows(lambda x: model(input_ids=x).logits, ids, mask), low_rank_step(model), 1.0)
         else:
             hidden = lambda x: model.model(input_ids=x).last_hidden_state  # noqa: E731
-            total = jvp_kl(hidden, ids, mask, low_rank_step(model), 1.0, head=model.lm_head).total
+            total, _ = jvp_kl(KLRows(hidden, ids, mask, model.lm_head), low_rank_step(model), 1.0)
         assert torch.isfinite(total)
 
 

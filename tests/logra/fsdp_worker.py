@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
+from logra_rl.logra import KLRows, LoGRAConfig, LoGRAOptimizer
 from logra_rl.utils.shards import local_rows
 from tests.logra.test_fsdp import ALPHA, CONFIG, GLOBAL_BATCH, LOSS_MASK, MODEL_SEED, NUM_TOKENS, TEMPERATURE
 from tests.tiny_models import tiny_qwen3, token_sum_loss
@@ -47,7 +47,7 @@ def main(out_path: str) -> None:
     opt.prepare(num_tokens=NUM_TOKENS)
     sketches = [t.sketch.clone() for t in opt.targets]
     directions = [d.clone() for _, _, d in opt.proposal()]
-    q = opt.probe_kl(lambda ids: model(input_ids=ids).logits, rows, mask, TEMPERATURE)
+    q = opt.probe_kl(KLRows(lambda ids: model(input_ids=ids).logits, rows, mask), TEMPERATURE)
 
     before = {t.name: local_rows(t.module.weight)[0].clone() for t in opt.targets}
     payload = opt.commit(ALPHA)
@@ -67,7 +67,17 @@ def main(out_path: str) -> None:
         token_sum_loss(bf16_model, row).backward()
     bf16_opt.prepare(num_tokens=NUM_TOKENS)
     bf16_sketch = bf16_opt.targets[0].sketch.clone()
+    masters = [local_rows(t.module.weight)[0].clone() for t in bf16_opt.targets]
+    with torch.no_grad():
+        unstepped = bf16_model(input_ids=rows).logits
+        with bf16_opt.trial(ALPHA):
+            trial = bf16_model(input_ids=rows).logits
+    restored = all(
+        torch.equal(local_rows(t.module.weight)[0], m) for t, m in zip(bf16_opt.targets, masters, strict=True)
+    )
     bf16_opt.commit(ALPHA)
+    with torch.no_grad():
+        committed = bf16_model(input_ids=rows).logits
     bf16_full = get_model_state_dict(bf16_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     if rank == 0:
@@ -82,6 +92,9 @@ def main(out_path: str) -> None:
                 "changed_by_rank": changed_by_rank,
                 "bf16_sketch": bf16_sketch,
                 "bf16_weights": bf16_full,
+                "trial_restored": restored,
+                "trial_equals_commit": torch.equal(trial, committed),
+                "trial_moved": not torch.equal(trial, unstepped),
             },
             out_path,
         )

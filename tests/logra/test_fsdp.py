@@ -1,4 +1,5 @@
-"""FSDP2 on 2 gloo ranks: reduced sketches, directions, KL probe and committed weights equal one process."""
+"""FSDP2 on 2 gloo ranks: reduced sketches, directions, KL probe and committed weights equal one process; under
+bf16 mixed precision the guard's trial forward is the committed model's forward, bit for bit."""
 
 import os
 import signal
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from logra_rl.logra import LoGRAConfig, LoGRAOptimizer, jvp_kl
+from logra_rl.logra import KLRows, LoGRAConfig, LoGRAOptimizer, jvp_kl, reduced_mean_kl
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,8 +31,8 @@ def single_process_step():
     sketches = [t.sketch.clone() for t in opt.targets]
     directions = [d.clone() for _, _, d in opt.proposal()]
     # under FSDP each rank probes its first probe_responses (2) rows: all 4 rows of the global batch
-    sums = jvp_kl(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK, opt.proposal(), TEMPERATURE)
-    q = float(sums.total / sums.count)
+    rows = KLRows(lambda ids: model(input_ids=ids).logits, GLOBAL_BATCH, LOSS_MASK)
+    q = reduced_mean_kl(*jvp_kl(rows, opt.proposal(), TEMPERATURE))
     projections = [t.projection.clone() for t in opt.targets]
     factors = [entry.factor for entry in opt.commit(ALPHA).entries]
     return opt, model, sketches, directions, q, projections, factors
@@ -90,3 +91,5 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     moved = sharded["bf16_weights"]["model.layers.0.self_attn.q_proj.weight"]
     assert moved.dtype == torch.float32
     assert not torch.equal(moved, tiny_qwen3(seed=MODEL_SEED).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    # the trial: each decoder layer's bf16 all-gather carried the merged rows, then every row came back
+    assert sharded["trial_restored"] and sharded["trial_equals_commit"] and sharded["trial_moved"]

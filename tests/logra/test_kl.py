@@ -1,21 +1,29 @@
-"""Predicted-KL control: the prediction against the exact KL of the committed step, and the controller."""
+"""KL control: the proposal against the exact KL of the committed step, the guard's measurement against rows it
+never saw, its confidence bound, and the controller."""
 
 import math
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import logra_rl.logra.kl as kl
 from logra_rl.logra import (
     KLConfig,
     KLController,
+    KLEstimate,
+    KLRows,
     LoGRAConfig,
     LoGRAOptimizer,
     exact_kl,
+    kl_estimate,
     predicted_kl,
     scheduled_budget,
     step_scale,
 )
-from logra_rl.logra.kl import POSITION_CHUNK
+from logra_rl.logra.kl import POSITION_CHUNK, chunked_attention
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 TEMPERATURE = 0.7
@@ -34,88 +42,141 @@ def prepared_optimizer(config, seed=4):
     opt.prepare(num_tokens=batch[:, 1:].numel())
     loss_mask = torch.zeros_like(batch)
     loss_mask[:, 6:] = 1  # the first tokens play the prompt
-    return model, opt, batch, loss_mask
+    return model, opt, KLRows(logits_fn(model), batch, loss_mask)
 
 
-def committed_kl(model, opt, batch, loss_mask, alpha):
-    """Mean exact KL(π_before ‖ π_after) over generated-token predictions of the probed rows."""
-    rows = batch[: opt.config.kl.probe_responses]
+def commit_and_measure(model, opt, rows, alpha):
+    """Mean exact KL(π_before ‖ π_after) over generated-token predictions of `rows`, by committing the step."""
     with torch.no_grad():
-        before = model(input_ids=rows).logits
+        before = model(input_ids=rows.input_ids).logits
         opt.commit(alpha)
-        after = model(input_ids=rows).logits
-    mask = loss_mask[: rows.shape[0], 1:].bool()
+        after = model(input_ids=rows.input_ids).logits
+    mask = rows.loss_mask[:, 1:].bool()
     return float(exact_kl(before[:, :-1], after[:, :-1], TEMPERATURE)[mask].mean())
 
 
 def test_prediction_matches_exact_kl_of_committed_step():
-    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1, wire_dtype="float32"))
-    q = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    model, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1, wire_dtype="float32"))
+    q = opt.probe_kl(rows, TEMPERATURE)  # the first 2 rows
     alpha = 0.5
-    actual = committed_kl(model, opt, batch, loss_mask, alpha)
+    actual = commit_and_measure(model, opt, rows.first(2), alpha)
     assert actual > 0
     assert q * alpha**2 == pytest.approx(actual, rel=0.03)
 
 
-def test_realized_kl_is_the_kl_of_the_committed_wire_rounded_step():
-    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
+def test_measured_kl_is_the_kl_of_the_committed_wire_rounded_step():
+    model, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
     alpha = 2.0
-    realised = opt.realized_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, alpha)
-    assert realised == pytest.approx(committed_kl(model, opt, batch, loss_mask, alpha), rel=1e-3)
+    before = [p.clone() for p in model.parameters()]
+    measured = opt.realized_kl(rows, TEMPERATURE, alpha)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # measured, not moved
+    assert measured.rows == 4 and measured.upper == measured.mean  # every row measured: the bound is the mean
+    assert measured.mean == pytest.approx(commit_and_measure(model, opt, rows, alpha), rel=1e-6)
+
+
+def test_a_forward_inside_the_trial_is_the_forward_after_the_commit_bit_for_bit():
+    """`trial(α)` merges the step into the fp32 masters with the commit's own factors and merge, one unit at a time,
+    and puts the rows back bit for bit: under bf16 autocast (the rounded merge the engines hold) the stepped logits
+    equal the committed model's exactly."""
+    model, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+
+    def bf16(ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids).logits
+
+    with torch.no_grad():
+        before = bf16(rows.input_ids)
+        with opt.trial(1.5):
+            stepped = bf16(rows.input_ids)
+    assert all(torch.equal(weights[name], p) for name, p in model.named_parameters())
+    measured = opt.realized_kl(KLRows(bf16, rows.input_ids, rows.loss_mask), TEMPERATURE, 1.5)
+    opt.commit(1.5)
+    with torch.no_grad():
+        committed = bf16(rows.input_ids)
+    assert torch.equal(stepped, committed) and not torch.equal(stepped, before)
+    mask = rows.loss_mask[:, 1:].bool()
+    expected = float(exact_kl(before[:, :-1], committed[:, :-1], TEMPERATURE)[mask].mean())
+    assert measured.mean == pytest.approx(expected, rel=1e-9)  # the rounded merge's KL, not an extrapolation
 
 
 def test_finite_difference_estimate_agrees_with_jvp():
     config = LoGRAConfig(rank=8, seed=1)
-    model, opt, batch, loss_mask = prepared_optimizer(config)
-    jvp = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    model, opt, rows = prepared_optimizer(config)
+    jvp = opt.probe_kl(rows, TEMPERATURE)
     opt.config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator="finite_difference", fd_step=3.0))
-    finite_difference = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
+    finite_difference = opt.probe_kl(rows, TEMPERATURE)
     assert finite_difference == pytest.approx(jvp, rel=0.05)
     assert all(not p.requires_grad for p in model.parameters())
 
 
 def test_probe_uses_first_rows_truncated_and_leaves_weights_untouched():
     config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(probe_responses=2, probe_max_tokens=16))
-    model, opt, batch, loss_mask = prepared_optimizer(config)
+    model, opt, rows = prepared_optimizer(config)
     before = [p.clone() for p in model.parameters()]
-    q_full = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
-    q_rows = opt.probe_kl(logits_fn(model), batch[:2, :16], loss_mask[:2, :16], TEMPERATURE)
+    q_full = opt.probe_kl(rows, TEMPERATURE)
+    q_rows = opt.probe_kl(KLRows(rows.forward, rows.input_ids[:2, :16], rows.loss_mask[:2, :16]), TEMPERATURE)
     assert q_full == q_rows
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(RuntimeError, match="no generated tokens"):
-        opt.probe_kl(logits_fn(model), batch, torch.zeros_like(loss_mask), TEMPERATURE)
+        opt.probe_kl(KLRows(rows.forward, rows.input_ids, torch.zeros_like(rows.loss_mask)), TEMPERATURE)
 
 
 @pytest.mark.parametrize("estimator", ["jvp", "finite_difference"])
 def test_probes_through_the_lm_head_in_chunks_equal_the_full_logits(estimator):
     """forward → hidden states, head → logits of at most POSITION_CHUNK positions at a time: the predicted
-    and the realised KL equal the full-logits probes' within fp32 rounding."""
+    and the measured KL equal the full-logits probes' within fp32 rounding."""
     config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator=estimator, fd_step=3.0, probe_responses=3))
-    model, opt, batch, loss_mask = prepared_optimizer(config)
-    batch, loss_mask = batch.repeat(1, 4), loss_mask.repeat(1, 4)  # 96 positions: two chunks
+    model, opt, rows = prepared_optimizer(config)
+    batch, loss_mask = rows.input_ids.repeat(1, 4), rows.loss_mask.repeat(1, 4)  # 3 × 90 positions: many chunks
     widths = []
 
     def head(hidden):
-        widths.append(hidden.shape[1])
+        widths.append(hidden.shape[0])
         return model.lm_head(hidden)
 
     def hidden_states(input_ids):
         return model.model(input_ids=input_ids).last_hidden_state
 
-    q_full = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)
-    q_chunked = opt.probe_kl(hidden_states, batch, loss_mask, TEMPERATURE, head)
+    full, chunked = KLRows(logits_fn(model), batch, loss_mask), KLRows(hidden_states, batch, loss_mask, head)
+    q_full = opt.probe_kl(full, TEMPERATURE)
+    q_chunked = opt.probe_kl(chunked, TEMPERATURE)
     assert q_chunked == pytest.approx(q_full, rel=1e-5) and q_full > 0
-    realised_full = opt.realized_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, 0.5)
-    realised_chunked = opt.realized_kl(hidden_states, batch, loss_mask, TEMPERATURE, 0.5, head)
-    assert realised_chunked == pytest.approx(realised_full, rel=1e-5) and realised_full > 0
-    assert max(widths) <= POSITION_CHUNK and len(widths) >= 2 * 2  # never the whole 95 positions at once
+    measured_full = opt.realized_kl(full, TEMPERATURE, 0.5)
+    measured_chunked = opt.realized_kl(chunked, TEMPERATURE, 0.5)
+    assert measured_chunked.mean == pytest.approx(measured_full.mean, rel=1e-5) and measured_full.mean > 0
+    assert max(widths) <= POSITION_CHUNK and len(widths) >= 4  # never all 4 × 90 positions at once
 
 
 def test_lost_jvp_is_an_error():
-    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1))
+    model, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1))
     detached = lambda ids: model(input_ids=ids).logits.detach().clone()  # noqa: E731 - a forward that drops tangents
     with pytest.raises(RuntimeError, match="JVP was lost"):
-        opt.probe_kl(detached, batch, loss_mask, TEMPERATURE)
+        opt.probe_kl(KLRows(detached, rows.input_ids, rows.loss_mask), TEMPERATURE)
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa", "mask"])
+def test_attention_in_blocks_is_the_math_kernel_with_its_tangent(case, monkeypatch):
+    """The JVP's attention holds at most ATTENTION_BLOCK scores at once (here 3 query rows of 16 keys) and gives the
+    math kernel's output and forward-mode tangent."""
+    monkeypatch.setattr(kl, "ATTENTION_BLOCK", 2 * 4 * 3 * 16)  # batch 2 × heads 4 × 3 queries × 16 keys
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 16, 8, generator=generator)
+    heads = 2 if case == "gqa" else 4
+    key, value = torch.randn(2, heads, 16, 8, generator=generator), torch.randn(2, heads, 16, 8, generator=generator)
+    kwargs = {"is_causal": case != "mask", "enable_gqa": case == "gqa"}
+    if case == "mask":
+        kwargs["attn_mask"] = torch.rand(2, 1, 16, 16, generator=generator) > 0.3
+        kwargs["attn_mask"][..., 0] = True  # every query sees a key
+    tangent = torch.randn(query.shape, generator=generator)
+    outputs = []
+    for attention in (chunked_attention, F.scaled_dot_product_attention):
+        with fwAD.dual_level(), sdpa_kernel([SDPBackend.MATH]):
+            out = attention(fwAD.make_dual(query, tangent), key, value, **kwargs)
+            outputs.append(tuple(t.clone() for t in fwAD.unpack_dual(out)[:2]))
+    (chunked, chunked_tangent), (math_out, math_tangent) = outputs
+    torch.testing.assert_close(chunked, math_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked_tangent, math_tangent, rtol=1e-5, atol=1e-6)
 
 
 def test_predicted_kl_is_the_second_order_term():
@@ -131,6 +192,212 @@ def test_predicted_kl_is_the_second_order_term():
         predicted_kl(logits, tangent, 0.0)
     with pytest.raises(ValueError, match="shape"):
         predicted_kl(logits, tangent[:, :3], 1.0)
+
+
+def test_the_bound_covers_the_batch_mean_as_often_as_its_confidence_where_rows_vary_mildly():
+    """kl_estimate's upper bound from a random subset of rows against the mean over all of them: over 2,000 draws it
+    covers the population's mean about as often as asked where the rows' KLs spread like a log-normal with σ 0.5,
+    and less often where they are heavy-tailed (σ 1.5: a few rows hold most of the KL), which is why the guard's
+    defaults measure many rows (docs/logra.md); measuring every row gives the mean itself."""
+    generator = torch.Generator().manual_seed(0)
+    population = 256
+    counts = torch.randint(1, 6, (population,), generator=generator).double()
+    noise = torch.randn(population, generator=generator, dtype=torch.float64)
+    coverage = {}
+    for sigma in (0.5, 1.5):
+        sums = counts * torch.exp(sigma * noise)
+        mean = float(sums.sum() / counts.sum())
+        covered = 0
+        for _ in range(2000):
+            drawn = torch.randperm(population, generator=generator)[:64]
+            covered += mean <= kl_estimate(sums[drawn], counts[drawn], population, 0.9).upper
+        coverage[sigma] = covered / 2000
+        whole = kl_estimate(sums, counts, population, 0.9)
+        assert whole.mean == pytest.approx(mean) and whole.upper == pytest.approx(mean)  # se = 0: all measured
+    assert 0.85 <= coverage[0.5] <= 0.95
+    assert 0.6 <= coverage[1.5] < coverage[0.5]
+    with pytest.raises(RuntimeError, match="no generated tokens"):
+        kl_estimate(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), 10, 0.9)
+
+
+class HotRows(torch.nn.Module):
+    """logits = head(gain · q_proj(embed(ids))) with gain 8 on the rows whose first token is below HOT (a quarter of
+    random rows): a step of q_proj moves those rows' logits 8× as far as the others', about 64× the KL. A guard
+    that sees only cool rows lets through a step that moves the policy's typical context far past its budget."""
+
+    HOT = 4
+
+    def __init__(self, vocab: int = 16, hidden: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        gain = torch.where(input_ids[:, :1] < self.HOT, 8.0, 1.0)[..., None]
+        return self.head(self.q_proj(self.embed(input_ids)) * gain)
+
+
+def hot_rows_batch(rows: int, seed: int) -> KLRows:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 16, (rows, 6), generator=generator)
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("guard_rows", ["probe rows only", "every row", "a random quarter"])
+def test_the_committed_step_holds_its_budget_on_rows_the_guard_never_saw(guard_rows):
+    """The referee: 2,048 fresh rows from the same distribution as the batch. The guard on the batch (all of it, or
+    a random quarter with its upper bound) commits a step within 2× its budget there; the guard on the 2 probe rows
+    (both cool: the old guard) commits one that moves fresh rows several times past it."""
+    budget = 2e-2
+    config = LoGRAConfig(rank=4, seed=1, update_ratio=1.0, target_modules=("q_proj",), wire_dtype="float32")
+    model = HotRows()
+    opt = LoGRAOptimizer(model, config)
+    ids, mask = hot_rows_batch(64, seed=1)
+    ids[:2, 0] = HotRows.HOT  # the probe's first rows are cool
+    loss = F.cross_entropy(model(ids)[:, :-1].reshape(-1, 16), ids[:, 1:].reshape(-1), reduction="sum")
+    loss.backward()
+    opt.prepare(num_tokens=ids[:, 1:].numel())
+    rows = KLRows(model, ids, mask)
+    if guard_rows == "probe rows only":
+        rows = rows.first(2)
+    elif guard_rows == "a random quarter":
+        drawn = torch.randperm(64, generator=torch.Generator().manual_seed(5))[:16]
+        rows = KLRows(model, ids[drawn], mask[drawn], population=64)
+
+    step = opt.guarded_step(rows, TEMPERATURE, budget)
+    assert step.accepted and step.measured.upper <= config.kl.max_overshoot * budget
+
+    fresh = KLRows(model, *hot_rows_batch(2048, seed=2))
+    held_out = opt.realized_kl(fresh, TEMPERATURE, step.alpha).mean
+    if guard_rows == "probe rows only":
+        assert held_out > 4 * budget
+    else:
+        assert 0.3 * budget <= held_out <= 2 * budget
+
+
+class CosineHead(torch.nn.Module):
+    """logits = head(cos(q_proj(embed(ids)))) around q_proj ≈ 0: cos is flat at 0, so a step of q_proj moves
+    the logits at second order only. The JVP sees almost nothing (q ≈ 0, α pinned at α_max) while the true KL
+    of that α is large: the quadratic model is wrong by orders of magnitude, by construction."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+        with torch.no_grad():
+            self.q_proj.weight.mul_(1e-4)  # cos'(h) = −sin(h) ≈ −h: the first-order change is ~1e-4 of the second's
+            self.head.weight.mul_(20.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cos(self.q_proj(self.embed(input_ids))))
+
+    def linear_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same network without the cosine: a loss whose gradient reaches q_proj at q_proj ≈ 0."""
+        return self.head(self.q_proj(self.embed(input_ids)))
+
+
+def test_guard_lands_within_the_bound_where_the_quadratic_model_is_badly_wrong():
+    budget = 1e-3
+    config = LoGRAConfig(rank=4, seed=1, update_ratio=3e3, target_modules=("q_proj",), wire_dtype="float32")
+    model = CosineHead()
+    opt = LoGRAOptimizer(model, config)
+    batch = torch.arange(16).reshape(2, 8)
+    rows = KLRows(model, batch, torch.ones_like(batch))
+    model.linear_logits(batch)[..., 0].sum().backward()
+    opt.prepare(num_tokens=batch.numel())
+
+    step = opt.guarded_step(rows, TEMPERATURE, budget)
+
+    assert step.q * config.kl.alpha_max**2 < 1e-2 * budget  # the prediction sees almost nothing ...
+    assert step.proposed_alpha == config.kl.alpha_max
+    assert step.tried[0][1].mean > 10 * budget and step.calibration > 1e5  # ... the true KL is far past the budget
+    assert step.accepted and step.tries >= 2 and step.alpha < step.proposed_alpha
+    assert 0.5 * budget <= step.kl <= config.kl.max_overshoot * budget  # the undershooting shrink was recovered
+    with torch.no_grad():
+        before = model(batch)
+        opt.commit(step.alpha)
+        after = model(batch)
+    committed = float(exact_kl(before[:, :-1], after[:, :-1], TEMPERATURE).mean())
+    assert committed == pytest.approx(step.kl, rel=1e-3)  # what the guard measured is what landed
+    assert 0 < committed <= config.kl.max_overshoot * budget
+
+
+def measured(value: float) -> KLEstimate:
+    return KLEstimate(value, value, rows=4, tokens=40)
+
+
+def test_guard_refuses_what_it_cannot_bring_within_the_bound():
+    """A KL that does not fall with α (noise, a broken model) is refused after max_tries measurements; a KL
+    within the bound is committed at the proposed α after one. Decisions read the upper bound."""
+    controller = KLController(KLConfig(schedule="constant", budget=1e-3, max_overshoot=1.5, max_tries=3))
+    alphas = []
+
+    def stubborn(alpha):
+        alphas.append(alpha)
+        return measured(1.0)
+
+    refused = controller.guard(q=4e-4, budget=1e-3, measure=stubborn)
+    assert not refused.accepted and refused.tries == 3 and [m.mean for _, m in refused.tried] == [1.0, 1.0, 1.0]
+    assert refused.proposed_alpha == pytest.approx(math.sqrt(2.5)) == alphas[0]
+    assert alphas[1] == pytest.approx(alphas[0] * math.sqrt(1e-3))  # shrunk from the measurement, not q
+    assert "KL guard" in refused.refusal() and "1e+03x the budget" in refused.refusal()
+
+    slow = []  # a KL a little over the bound still shrinks α by at least MAX_SHRINK per try
+    within = controller.guard(
+        q=4e-4, budget=1e-3, measure=lambda a: slow.append(a) or measured(1.6e-3 * (a / slow[0]) ** 2)
+    )
+    assert within.accepted and within.tries == 2 and slow[1] == pytest.approx(0.7 * slow[0])
+
+    def cliff(alpha):  # the shrink undershoots (1e-5); the power-law retry near the budget overshoots again
+        return measured(1.0 if alpha > 0.1 else 1e-5)
+
+    safe = controller.guard(q=4e-4, budget=1e-3, measure=cliff)
+    assert safe.accepted and safe.tries == 3 and safe.kl == 1e-5 and safe.alpha == safe.tried[1][0]
+    assert safe.tried[2][0] > safe.alpha and safe.tried[2][1].mean == 1.0
+
+    once = controller.guard(q=4e-4, budget=1e-3, measure=lambda alpha: measured(1.2e-3))
+    assert once.accepted and once.tries == 1 and once.alpha == once.proposed_alpha
+    assert once.calibration == pytest.approx(1.2)
+    wide = controller.guard(q=4e-4, budget=1e-3, measure=lambda alpha: KLEstimate(1e-3, 2e-3, rows=4, tokens=40))
+    assert not wide.accepted  # the mean is within the budget, the bound is not: as far as the rows can tell
+    with pytest.raises(FloatingPointError, match="measured KL"):
+        controller.guard(q=4e-4, budget=1e-3, measure=lambda alpha: measured(float("nan")))
+
+
+def test_guard_grows_an_undershooting_step_once_and_proposes_from_the_last_commit():
+    """A first try far below the budget is tried again closer to it (KL ∝ α³ from one measurement, up to α_max) and
+    kept if within the bound; with `estimator=previous` the next proposal is the last committed step's measured
+    curvature, and the first (nothing measured yet) is α = 1."""
+    config = KLConfig(schedule="constant", budget=1e-3, alpha_max=10.0, estimator="previous")
+    controller = KLController(config)
+    quadratic = lambda alpha: measured(1e-4 * alpha**2)  # noqa: E731 - KL(α) = 1e-4·α²
+    first = controller.guard(q=None, budget=1e-3, measure=quadratic)
+    assert first.proposed_alpha == 1.0 and math.isnan(first.calibration)
+    assert first.tries == 2 and first.alpha == pytest.approx(10 ** (1 / 3))  # (budget / 1e-4)^(1/3)
+    controller.record(1, first)
+    assert controller.curvature == pytest.approx(1e-4)
+    second = controller.guard(q=controller.curvature, budget=1e-3, measure=quadratic)
+    assert second.tries == 1 and second.kl == pytest.approx(1e-3)  # on the budget at once
+    assert controller.budget_since(0, 1) == 1e-3 and controller.budget_since(0, 2) is None
+    restored = KLController(config)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.curvature == controller.curvature and restored.granted == controller.granted
+    restored.load_state_dict({"mismatch": 0.1})  # a checkpoint from before either existed
+    assert restored.curvature is None and restored.granted == {}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("max_overshoot", 0.9), ("max_tries", 0), ("guard_responses", -1), ("guard_confidence", 1.0)]
+)
+def test_guard_settings_are_checked(key, value):
+    with pytest.raises(ValueError, match=f"logra.kl.{key}"):
+        KLConfig(**{key: value})
 
 
 def test_cosine_schedule_endpoints_and_reference_values():
@@ -174,127 +441,6 @@ def test_mismatch_subtraction_arithmetic():
     assert off.step_budget(0, mismatch_sum=10.0, mismatch_tokens=100) == 2e-4 and off.mismatch == 0
 
 
-def test_finite_difference_and_realised_kl_are_unbiased_under_bf16_compute(monkeypatch):
-    """Under bf16 autocast a LoGRA-sized step (update ratio 6e-5) is below half a bf16 ulp of the layer
-    outputs. Measured at h = 1 the finite-difference q is far off the fp32 JVP; enlarged until resolved
-    and scaled back, q and the realised KL agree with the fp32 figures."""
-    import logra_rl.logra.kl as kl
-
-    model, opt, batch, loss_mask = prepared_optimizer(LoGRAConfig(rank=8, seed=1))
-    reference = opt.probe_kl(logits_fn(model), batch, loss_mask, TEMPERATURE)  # JVP, fp32
-    alpha = 2.0
-    realised_fp32 = opt.realized_kl(logits_fn(model), batch, loss_mask, TEMPERATURE, alpha)
-    opt.config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator="finite_difference"))
-
-    def bf16(input_ids):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return model(input_ids=input_ids).logits
-
-    assert bf16(batch).dtype == torch.bfloat16
-    finite_difference = opt.probe_kl(bf16, batch, loss_mask, TEMPERATURE)
-    realised = opt.realized_kl(bf16, batch, loss_mask, TEMPERATURE, alpha)
-    assert finite_difference == pytest.approx(reference, rel=0.1)
-    assert realised == pytest.approx(realised_fp32, rel=0.1)
-    jvp_bf16 = LoGRAConfig(rank=8, seed=1)  # the JVP runs its tangent in fp32 and needs no enlarging
-    opt.config = jvp_bf16
-    assert opt.probe_kl(bf16, batch, loss_mask, TEMPERATURE) == pytest.approx(reference, rel=0.1)
-
-    monkeypatch.setattr(kl, "LOW_PRECISION_RESOLUTION", 0.0)  # the old behaviour: measured at h = 1
-    opt.config = LoGRAConfig(rank=8, seed=1, kl=KLConfig(estimator="finite_difference"))
-    naive = opt.probe_kl(bf16, batch, loss_mask, TEMPERATURE)
-    assert abs(naive - reference) > 0.5 * reference  # measured here: 60× too large
-    assert abs(opt.realized_kl(bf16, batch, loss_mask, TEMPERATURE, alpha) - realised_fp32) > 0.5 * realised_fp32
-
-
-class CosineHead(torch.nn.Module):
-    """logits = head(cos(q_proj(embed(ids)))) around q_proj ≈ 0: cos is flat at 0, so a step of q_proj moves
-    the logits at second order only. The JVP sees almost nothing (q ≈ 0, α pinned at α_max) while the true KL
-    of that α is large: the quadratic model is wrong by orders of magnitude, by construction."""
-
-    def __init__(self, vocab: int = 16, hidden: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(vocab, hidden)
-        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
-        self.head = torch.nn.Linear(hidden, vocab)
-        with torch.no_grad():
-            self.q_proj.weight.mul_(1e-4)  # cos'(h) = −sin(h) ≈ −h: the first-order change is ~1e-4 of the second's
-            self.head.weight.mul_(20.0)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.cos(self.q_proj(self.embed(input_ids))))
-
-    def linear_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The same network without the cosine: a loss whose gradient reaches q_proj at q_proj ≈ 0."""
-        return self.head(self.q_proj(self.embed(input_ids)))
-
-
-def test_guard_lands_within_the_bound_where_the_quadratic_model_is_badly_wrong():
-    budget = 1e-3
-    config = LoGRAConfig(rank=4, seed=1, update_ratio=3e3, target_modules=("q_proj",), wire_dtype="float32")
-    model = CosineHead()
-    opt = LoGRAOptimizer(model, config)
-    batch = torch.arange(16).reshape(2, 8)
-    loss_mask = torch.ones_like(batch)
-    model.linear_logits(batch)[..., 0].sum().backward()
-    opt.prepare(num_tokens=batch.numel())
-
-    step = opt.guarded_step(model, batch, loss_mask, TEMPERATURE, budget)
-
-    assert step.q * config.kl.alpha_max**2 < 1e-2 * budget  # the prediction sees almost nothing ...
-    assert step.proposed_alpha == config.kl.alpha_max
-    assert step.tried[0][1] > 10 * budget and step.calibration > 1e5  # ... the true KL is far past the budget
-    assert step.accepted and step.tries >= 2 and step.alpha < step.proposed_alpha
-    assert 0.5 * budget <= step.kl <= config.kl.max_overshoot * budget  # the undershooting shrink was recovered
-    with torch.no_grad():
-        before = model(batch)
-        opt.commit(step.alpha)
-        after = model(batch)
-    committed = float(exact_kl(before[:, :-1], after[:, :-1], TEMPERATURE).mean())
-    assert committed == pytest.approx(step.kl, rel=1e-3)  # what the guard measured is what landed
-    assert 0 < committed <= config.kl.max_overshoot * budget
-
-
-def test_guard_refuses_what_it_cannot_bring_within_the_bound():
-    """A KL that does not fall with α (noise, a broken model) is refused after max_tries measurements; a KL
-    within the bound is committed at the proposed α after one."""
-    controller = KLController(KLConfig(schedule="constant", budget=1e-3, max_overshoot=1.5, max_tries=3))
-    alphas = []
-
-    def stubborn(alpha):
-        alphas.append(alpha)
-        return 1.0
-
-    refused = controller.guard(q=4e-4, budget=1e-3, realized_kl=stubborn)
-    assert not refused.accepted and refused.tries == 3 and [kl for _, kl in refused.tried] == [1.0, 1.0, 1.0]
-    assert refused.proposed_alpha == pytest.approx(math.sqrt(2.5)) == alphas[0]
-    assert alphas[1] == pytest.approx(alphas[0] * math.sqrt(1e-3))  # shrunk from the measurement, not q
-    assert "KL guard" in refused.refusal() and "1e+03x the budget" in refused.refusal()
-
-    slow = []  # a KL a little over the bound still shrinks α by at least MAX_SHRINK per try
-    within = controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda a: slow.append(a) or 1.6e-3 * (a / slow[0]) ** 2)
-    assert within.accepted and within.tries == 2 and slow[1] == pytest.approx(0.7 * slow[0])
-
-    def cliff(alpha):  # the shrink undershoots (1e-5); the power-law retry near the budget overshoots again
-        return 1.0 if alpha > 0.1 else 1e-5
-
-    safe = controller.guard(q=4e-4, budget=1e-3, realized_kl=cliff)
-    assert safe.accepted and safe.tries == 3 and safe.kl == 1e-5 and safe.alpha == safe.tried[1][0]
-    assert safe.tried[2][0] > safe.alpha and safe.tried[2][1] == 1.0
-
-    once = controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda alpha: 1.2e-3)
-    assert once.accepted and once.tries == 1 and once.alpha == once.proposed_alpha
-    assert once.calibration == pytest.approx(1.2)
-    with pytest.raises(FloatingPointError, match="realised KL"):
-        controller.guard(q=4e-4, budget=1e-3, realized_kl=lambda alpha: float("nan"))
-
-
-@pytest.mark.parametrize(("key", "value"), [("max_overshoot", 0.9), ("max_tries", 0)])
-def test_guard_settings_are_checked(key, value):
-    with pytest.raises(ValueError, match=f"logra.kl.{key}"):
-        KLConfig(**{key: value})
-
-
 def test_a_stale_batch_is_charged_the_behaviour_kl_its_skipped_updates_were_not_granted():
     """A batch sampled `staleness` updates ago (algorithm.max_staleness) is expected to be the sum of those
     updates' budgets away: only what its behaviour KL exceeds that by is charged (or the on-policy mismatch EMA
@@ -318,5 +464,8 @@ def test_a_stale_batch_is_charged_the_behaviour_kl_its_skipped_updates_were_not_
     assert cosine.stale_budget(1, behaviour_kl=scheduled_budget(cosine.config, 0), staleness=1) == pytest.approx(
         scheduled_budget(cosine.config, 1)
     )
+    # what the controller granted, where it remembers it, rather than the schedule
+    cosine.granted[2] = 1e-4  # the update that made version 2 was held to less (the mismatch took its share)
+    assert cosine.stale_budget(2, behaviour_kl=1e-4 + 2e-5, staleness=1) == pytest.approx(1e-4 - 2e-5)
     off = KLController(KLConfig(schedule="constant", budget=2e-4, mismatch_subtraction=False))
     assert off.stale_budget(0, behaviour_kl=1e-3, staleness=1) == 2e-4  # mismatch_subtraction=false charges nothing

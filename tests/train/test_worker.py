@@ -69,9 +69,9 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
 
 
-def response_batch(**fields) -> TrainBatch:
-    """4 rows of 12 tokens, the last 6 a response sampled with log-prob −4 each, advantages of both signs."""
-    input_ids = random_batch(4, 12, seed=2)
+def response_batch(rows: int = 4, **fields) -> TrainBatch:
+    """Rows of 12 tokens, the last 6 a response sampled with log-prob −4 each, advantages of both signs."""
+    input_ids = random_batch(rows, 12, seed=2)
     loss_mask = torch.zeros(input_ids.shape)
     loss_mask[:, 6:] = 1
     return TrainBatch(
@@ -79,8 +79,8 @@ def response_batch(**fields) -> TrainBatch:
         attention_mask=torch.ones_like(input_ids),
         loss_mask=loss_mask,
         rollout_logprobs=torch.full(input_ids.shape, -4.0) * loss_mask,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        finished=torch.ones(4, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(rows // 4),
+        finished=torch.ones(rows, dtype=torch.bool),
         **fields,
     )
 
@@ -88,12 +88,12 @@ def response_batch(**fields) -> TrainBatch:
 def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
     """Two FSDP2 ranks, tied embeddings (a parameter of the root, which a forward-only pass leaves gathered):
     `train/kl_realized` is the exact KL per generated token between the model before the step and the model
-    the step left (both read back from the ranks), over the probe rows of both shards, not a stale forward."""
+    the step left (both read back from the ranks), over the guard's rows of both shards, not a stale forward."""
     from logra_rl.logra import exact_kl
 
     path = tmp_path / "model"
     tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)
-    overrides = ["model=hf", f"model.path={path}", "optimizer=dense", "optimizer.lr=1e-3", "logra.kl.probe_responses=2"]
+    overrides = ["model=hf", f"model.path={path}", "optimizer=dense", "optimizer.lr=1e-3", "trainer.heldout_every=0"]
     config = RunConfig.from_mapping(run_config(overrides))
     batch = response_batch()
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
@@ -109,7 +109,7 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
             ray.shutdown()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    where = loss_mask[:, 1:].bool()  # 2 rows per shard, both probed
+    where = loss_mask[:, 1:].bool()  # 2 rows per shard, both measured
     with torch.no_grad():
         logits_before = model(input_ids=input_ids).logits[:, :-1][where]
         model.load_state_dict(after)
@@ -117,6 +117,45 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
     want = exact_kl(logits_before, logits_after, config.rollout.temperature).mean()
     assert want > 1e-6
     assert result.metrics["train/kl_realized"] == pytest.approx(float(want), rel=1e-3)
+
+
+def test_the_held_out_rows_train_nothing_and_measure_the_step_where_nothing_was_tuned(tmp_path):
+    """Every `trainer.heldout_every` steps each rank withholds `trainer.heldout_responses` rows (drawn at random by
+    the run's seed, the step and the rank) from the gradient and the guard: `train/tokens` counts the other rows
+    only, and `heldout/kl` is the exact KL per generated token between the models before and after the step on
+    the withheld rows, with the step's budget beside it."""
+    from logra_rl.logra import exact_kl
+
+    path = tmp_path / "model"
+    tiny_qwen3(seed=4).save_pretrained(path)
+    overrides = ["model=hf", f"model.path={path}", "trainer.heldout_every=1", "trainer.heldout_responses=1"]
+    overrides.append("logra.update_ratio=1e-2")
+    config = RunConfig.from_mapping(run_config(overrides))
+    batch = response_batch(rows=8)
+    owns_ray = start_ray(config)
+    group = TrainGroup(config, str(path))
+    try:
+        group.setup()
+        before = group.full_state()
+        result = group.train_step(batch, step=0)
+        after = group.full_state()
+    finally:
+        group.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+    assert result.metrics["train/tokens"] == 6 * 6  # 3 rows of each rank's 4 trained, 6 response tokens each
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kl_per_row = []
+    for state in (before, after):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            kl_per_row.append(model(input_ids=batch.input_ids).logits[:, 5:-1])  # the predictions of the response
+    per_row = exact_kl(*kl_per_row, config.rollout.temperature).mean(dim=1)  # rows of equal length
+    candidates = [float((per_row[a] + per_row[b]) / 2) for a in range(4) for b in range(4, 8)]  # one of each shard
+    assert min(candidates) > 0
+    assert any(result.metrics["heldout/kl"] == pytest.approx(c, rel=1e-4) for c in candidates), candidates
+    assert result.metrics["heldout/kl_budget"] == result.metrics["logra/kl_budget"]
 
 
 def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_behaviour_kl(tmp_path):

@@ -80,23 +80,27 @@ def short_records() -> list[dict]:
 
 
 def guarded_records() -> list[dict]:
-    """8 steps with the KL guard's metrics, budget 0.01: realised 1.8× the budget at step 2 (over a 1.5× bound, not a
-    2× one), 2.5× at step 4 (over both), step 6 refused (nothing committed: no realised or predicted KL)."""
-    realized = {2: 0.018, 4: 0.025}
+    """8 steps with the KL guard's metrics, budget 0.01, step 6 refused (nothing committed: no realised or predicted
+    KL), and the held-out referee: rows withheld at steps 0 and 4 (1.2× and 2.5× the budget), and at step 3 a batch
+    one update behind whose behaviour KL is 3× the budget of the update of step 2 that it measures."""
+    held_out = {0: 0.012, 4: 0.025}
     records = []
     for step in range(8):
         guard = {"logra/kl_budget": 0.01, "logra/alpha_proposed": 1.0, "logra/overshoot_refused": float(step == 6)}
         if step == 6:
             guard |= {"logra/line_search_tries": 4.0, "logra/kl_realized_over_predicted": 3.0}
         else:
-            kl = realized.get(step, 0.01)
             guard |= {
                 "logra/alpha": 1.0,
                 "logra/line_search_tries": 1.0,
                 "logra/kl_predicted": 0.01,
-                "train/kl_realized": kl,
-                "logra/kl_realized_over_predicted": kl / 0.01,
+                "train/kl_realized": 0.01,
+                "logra/kl_realized_over_predicted": 1.0,
             }
+        if step in held_out:
+            guard |= {"heldout/kl": held_out[step], "heldout/kl_budget": 0.01}
+        if step == 3:
+            guard |= {"async/staleness": 1.0, "async/behaviour_kl": 0.03, "async/behaviour_kl_budget": 0.01}
         records.append(train_record(step, 0.5, 1.0, **guard, **{"timing_s/line_search": 0.1}))
     return records
 
@@ -159,10 +163,9 @@ def test_compare_three_runs_writes_png_and_table(runs, tmp_path, capsys):
     assert logra["sync KiB/step"] == "3"  # 2 KiB payloads, one 10 KiB resync in 10 steps
     assert (logra["KL realised (mean)"], logra["KL predicted (mean)"]) == ("1.00e-02", "2.00e-02")  # null skipped
     assert dense["KL realised (mean)"] == dense["KL predicted (mean)"] == "—"
-    # logra predates the guard: 9 realised values (one null) checked against 1.5 × budget, no refusal metric
-    assert (logra["KL over bound (steps)"], logra["updates refused"]) == ("0 / 9", "—")
-    assert dense["KL over bound (steps)"] == dense["updates refused"] == "—"
-    assert short["KL over bound (steps)"] == "—"  # a realised KL without a budget cannot be checked
+    # logra predates the held-out figures and the guard: nothing to count
+    assert (logra["held-out KL > 2× budget"], logra["updates refused"]) == ("—", "—")
+    assert dense["held-out KL > 2× budget"] == dense["updates refused"] == "—"
     assert (logra["mem avg GiB"], logra["mem peak GiB"], short["mem peak GiB"]) == ("1.25", "2.90", "—")
     assert (logra["updates/h (median)"], dense["updates/h (median)"], short["updates/h (median)"]) == (
         "1,450",
@@ -222,56 +225,56 @@ def test_plot_run_still_writes_the_end_of_run_png(tmp_path, figures):
     assert lines(kl_axis(figures[0]))["bound 1.5 × budget"][1] == pytest.approx([0.015] * 10)
 
 
-def test_table_and_kl_panel_show_steps_over_the_bound_and_refused_updates(tmp_path, figures):
-    strict = write_run(tmp_path / "exp" / "strict", "logra", guarded_records(), total_steps=8, max_overshoot=2.0)
-    default = write_run(tmp_path / "exp" / "default", "logra", guarded_records(), total_steps=8)
+def test_table_and_kl_panel_show_the_held_out_kl_against_the_budget_and_refused_updates(tmp_path, figures):
+    guarded = write_run(tmp_path / "exp" / "guarded", "logra", guarded_records(), total_steps=8, max_overshoot=2.0)
     old = write_run(tmp_path / "exp" / "old", "logra", logra_records())
     out = tmp_path / "cmp"
-    assert plot_main([str(strict), str(default), str(old), "--out", str(out), "--labels", "strict,default,old"]) == 0
+    assert plot_main([str(guarded), str(old), "--out", str(out), "--labels", "guarded,old"]) == 0
 
     rows = table_rows((out / "comparison.md").read_text())
-    # 7 committed steps: 2.5× the budget is over a 2× bound; 1.8× too over the default 1.5× (no key in config.yaml)
-    assert (rows["strict"]["KL over bound (steps)"], rows["default"]["KL over bound (steps)"]) == ("1 / 7", "2 / 7")
-    assert (rows["strict"]["updates refused"], rows["old"]["updates refused"]) == ("1", "—")
-    assert rows["strict"]["KL realised (mean)"] == f"{(5 * 0.01 + 0.018 + 0.025) / 7:.2e}"  # the refused step has none
+    # held out: 1.2× at step 0, 2.5× at step 4, the next batch's 3× for step 2's update: two past 2× the budget
+    assert (rows["guarded"]["held-out KL > 2× budget"], rows["old"]["held-out KL > 2× budget"]) == ("2 / 3", "—")
+    assert (rows["guarded"]["updates refused"], rows["old"]["updates refused"]) == ("1", "—")
+    assert rows["guarded"]["KL realised (mean)"] == "1.00e-02"  # the refused step has none
 
     [figure] = figures
     axis = kl_axis(figure)
-    assert axis.get_title() == "KL per token: realised, predicted, budget"
+    assert axis.get_title() == "KL per token: realised, predicted, held out, budget"
     drawn = lines(axis)
-    assert drawn["strict over bound"] == ([4], [0.025])
-    assert drawn["default over bound"] == ([2, 4], [0.018, 0.025])
+    assert drawn["guarded over bound"] == ([2, 4], [0.03, 0.025])  # at the step of the update each measures
     assert "old over bound" not in drawn and "old refused" not in drawn
-    assert drawn["strict refused"] == drawn["default refused"] == ([6], [0.01])  # drawn at the budget
-    assert drawn["strict realised"][0] == [0, 1, 2, 3, 4, 5, 7]
-    assert drawn["strict budget δ"] == (list(range(8)), [0.01] * 8)
+    assert drawn["guarded refused"] == ([6], [0.01])  # drawn at the budget
+    assert drawn["guarded realised"][0] == [0, 1, 2, 3, 4, 5, 7]
+    assert drawn["guarded budget δ"] == (list(range(8)), [0.01] * 8)
     styles = {line.get_label(): (line.get_linestyle(), line.get_marker(), line.get_color()) for line in axis.lines}
-    assert styles["strict budget δ"][0] == ":" and styles["strict predicted (q·α²)"][0] == "--"
-    assert styles["default over bound"][1:] == ("x", "red")
-    assert styles["strict refused"][2] == styles["strict realised"][2]  # in the run's colour
+    assert styles["guarded budget δ"][0] == ":" and styles["guarded predicted (q·α²)"][0] == "--"
+    assert styles["guarded over bound"][1:] == ("x", "red")
+    assert styles["guarded refused"][2] == styles["guarded realised"][2]  # in the run's colour
     assert legend(axis) == [
         "realised",
         "predicted (q·α²)",
         "budget δ",
-        "realised > max_overshoot × budget",
+        "held out (rows the guard never saw)",
+        "held out > 2× budget",
         "update refused (at its budget)",
     ]
 
 
-def test_kl_legend_of_runs_without_violations_explains_only_the_lines(runs, tmp_path, figures):
+def test_kl_legend_of_runs_without_held_out_figures_explains_only_the_lines(runs, tmp_path, figures):
     assert plot_main([*map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
     axis = kl_axis(figures[0])
     assert legend(axis) == ["realised", "predicted (q·α²)", "budget δ"]
     assert not any(label.endswith(("over bound", "refused")) for label in lines(axis))
 
 
-def test_plot_run_marks_the_bound_from_config_yaml(tmp_path, figures):
+def test_plot_run_marks_the_bound_from_config_yaml_and_the_held_out_kl(tmp_path, figures):
     run = write_run(tmp_path / "logra", "logra", guarded_records(), total_steps=8, max_overshoot=2.0)
     png = plot_run(run / "metrics.jsonl", tmp_path / "run.png", task="gsm8k", k=4)
     assert png.stat().st_size > 10_000
     drawn = lines(kl_axis(figures[0]))
     assert drawn["bound 2 × budget"] == (list(range(8)), [0.02] * 8)
-    assert drawn["realised over bound: 1"] == ([4], [0.025])
+    assert drawn["held out"] == ([0, 2, 4], [0.012, 0.03, 0.025])
+    assert drawn["held out > 2× budget: 2"] == ([2, 4], [0.03, 0.025])
     assert drawn["refused: 1"] == ([6], [0.01])
     assert drawn["train/kl_realized"][0] == [0, 1, 2, 3, 4, 5, 7]
 
