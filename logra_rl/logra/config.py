@@ -44,7 +44,7 @@ class KLConfig:
     max_overshoot: float = 1.5
     max_tries: int = 4
     # The proposal's q (KL per unit α²): jvp (forward-mode AD on probe_responses rows) | finite_difference (the
-    # KL at ±fd_step on them) | previous (the guard's measurement of the last committed step; none: α = 1)
+    # KL at ±fd_step on them) | previous (the guard's measurements of the committed steps, averaged; none yet: α = 1)
     estimator: str = "jvp"
     fd_step: float = 1.0  # finite-difference probe step, in units of the proposal (α)
     probe_responses: int = 2  # responses per data-parallel rank the proposal is estimated on

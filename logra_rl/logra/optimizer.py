@@ -325,7 +325,7 @@ class LoGRAOptimizer:
         mask, head = rows.loss_mask, rows.head
         before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
         sums, counts = row_kl(before, after, len(rows), temperature, base.device)
-        return kl_estimate(sums, counts, rows.population, confidence)
+        return kl_estimate(sums, counts, rows.population, confidence, rows.weights)
 
     def _probe_rows(self, rows: KLRows) -> KLRows:
         """The first `probe_responses` rows (the fewest any rank has), cut to `probe_max_tokens`."""

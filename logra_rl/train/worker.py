@@ -474,8 +474,8 @@ class TrainWorker:
 
     def _kl_rows(self, rows: TrainBatch, population: int) -> KLRows:
         """Rows a KL is measured on (`population`: the rank's rows they were drawn from), cut after their last
-        token, probed through the decoder's hidden states with the LM head applied in chunks of positions (no
-        tokens × vocab logits)."""
+        token, each distinct one once, probed through the decoder's hidden states with the LM head applied in chunks
+        of positions (no tokens × vocab logits)."""
         rows = rows.trimmed()
         return KLRows(
             forward=lambda ids: self._hidden_states(ids),
@@ -483,7 +483,7 @@ class TrainWorker:
             loss_mask=rows.loss_mask.to(self.device),
             head=self._head,
             population=population,
-        )
+        ).distinct()
 
     def _memory_metrics(self) -> dict[str, float]:
         """Mean current and largest peak memory over the group: CUDA allocator on GPU, process RSS on CPU."""

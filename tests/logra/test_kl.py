@@ -74,6 +74,20 @@ def test_measured_kl_is_the_kl_of_the_committed_wire_rounded_step():
     assert measured.mean == pytest.approx(commit_and_measure(model, opt, rows, alpha), rel=1e-6)
 
 
+def test_identical_rows_are_measured_once_and_weighted_by_their_count():
+    """A batch of short answers repeats rows: `distinct` keeps each once with its count, and the KL, its bound and
+    the JVP's q over the weighted rows are those over every row."""
+    _, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1, kl=KLConfig(probe_responses=6)))
+    repeated = torch.tensor([0, 1, 0, 2, 1, 0])
+    every = KLRows(rows.forward, rows.input_ids[repeated], rows.loss_mask[repeated], population=24)
+    distinct = every.distinct()
+    assert torch.equal(distinct.input_ids, rows.input_ids[:3]) and distinct.weights.tolist() == [3.0, 2.0, 1.0]
+    full, weighted = opt.realized_kl(every, TEMPERATURE, 1.0, 0.9), opt.realized_kl(distinct, TEMPERATURE, 1.0, 0.9)
+    assert weighted.rows == full.rows == 6 and weighted.mean == pytest.approx(full.mean, rel=1e-9)
+    assert weighted.upper == pytest.approx(full.upper, rel=1e-9) and full.upper > full.mean
+    assert opt.probe_kl(distinct, TEMPERATURE) == pytest.approx(opt.probe_kl(every, TEMPERATURE), rel=1e-9)
+
+
 def test_a_forward_inside_the_trial_is_the_forward_after_the_commit_bit_for_bit():
     """`trial(α)` merges the step into the fp32 masters with the commit's own factors and merge, one unit at a time,
     and puts the rows back bit for bit: under bf16 autocast (the rounded merge the engines hold) the stepped logits
@@ -370,10 +384,10 @@ def test_guard_refuses_what_it_cannot_bring_within_the_bound():
         controller.guard(q=4e-4, budget=1e-3, measure=lambda alpha: measured(float("nan")))
 
 
-def test_guard_grows_an_undershooting_step_once_and_proposes_from_the_last_commit():
+def test_guard_grows_an_undershooting_step_once_and_proposes_from_the_commits_measurements():
     """A first try far below the budget is tried again closer to it (KL ∝ α³ from one measurement, up to α_max) and
-    kept if within the bound; with `estimator=previous` the next proposal is the last committed step's measured
-    curvature, and the first (nothing measured yet) is α = 1."""
+    kept if within the bound; with `estimator=previous` the next proposal is the committed steps' measured
+    curvature (a geometric EMA), and the first (nothing measured yet) is α = 1."""
     config = KLConfig(schedule="constant", budget=1e-3, alpha_max=10.0, estimator="previous")
     controller = KLController(config)
     quadratic = lambda alpha: measured(1e-4 * alpha**2)  # noqa: E731 - KL(α) = 1e-4·α²
@@ -384,7 +398,10 @@ def test_guard_grows_an_undershooting_step_once_and_proposes_from_the_last_commi
     assert controller.curvature == pytest.approx(1e-4)
     second = controller.guard(q=controller.curvature, budget=1e-3, measure=quadratic)
     assert second.tries == 1 and second.kl == pytest.approx(1e-3)  # on the budget at once
-    assert controller.budget_since(0, 1) == 1e-3 and controller.budget_since(0, 2) is None
+    controller.record(2, controller.guard(q=None, budget=1e-3, measure=lambda alpha: measured(8e-4 * alpha**2)))
+    assert controller.curvature == pytest.approx(1e-4 * 8**0.3)  # a geometric average, weight 0.3 on the newest
+    assert controller.budget_since(1, 2) == 1e-3 and controller.budget_since(0, 2) == 2e-3
+    assert controller.budget_since(0, 3) is None  # version 3 was never granted a budget
     restored = KLController(config)
     restored.load_state_dict(controller.state_dict())
     assert restored.curvature == controller.curvature and restored.granted == controller.granted
