@@ -422,7 +422,8 @@ def kl_bf16(report: Report, ctx: Context) -> None:
     larger the rounded merge's KL is, at a step of the default budget (small model)."""
     device, shape = ctx.device, SMALL_QWEN2
     model = model_on(device, shape, 2, seed=4)
-    config = dataclasses.replace(LoGRAConfig(), rank=64)
+    config = LoGRAConfig()
+    config = dataclasses.replace(config, rank=64, kl=dataclasses.replace(config.kl, estimator="jvp"))
     opt = LoGRAOptimizer(model, config)
     ids = torch.randint(0, shape.vocab, (2, 256), device=device)
     loss_of(model, ids, torch.float32).backward()

@@ -27,12 +27,13 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 DISTRIBUTIONS = ("rademacher", "gaussian")
 WIRE_DTYPES = ("bfloat16", "float32")
 KL_SCHEDULES = ("cosine", "constant")
-KL_ESTIMATORS = ("jvp", "finite_difference", "previous")
+KL_ESTIMATORS = ("previous", "jvp", "finite_difference")
 
 
 @dataclass(frozen=True)
 class KLConfig:
-    """Predicted-KL step control, the reference port's defaults. Budgets are nats per generated token."""
+    """KL step control: the reference port's budgets and α_max; ours: the guard and its rows, and the proposal from
+    the guard's own measurements (`docs/logra.md`, "The trust region"). Budgets are nats per generated token."""
 
     budget: float = 2e-4
     final_budget: float = 2e-5
@@ -43,16 +44,18 @@ class KLConfig:
     # most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
     max_overshoot: float = 1.5
     max_tries: int = 4
-    # The proposal's q (KL per unit α²): jvp (forward-mode AD on probe_responses rows) | finite_difference (the
-    # KL at ±fd_step on them) | previous (the guard's measurements of the committed steps, averaged; none yet: α = 1)
-    estimator: str = "jvp"
+    # The proposal's q (KL per unit α²): previous (the guard's measurements of the committed steps, averaged; none
+    # yet: α = 1) | jvp (the reference port's: forward-mode AD on probe_responses rows) | finite_difference (the
+    # KL at ±fd_step on them)
+    estimator: str = "previous"
     fd_step: float = 1.0  # finite-difference probe step, in units of the proposal (α)
     probe_responses: int = 2  # responses per data-parallel rank the proposal is estimated on
     # The guard measures each try on this many responses per rank, drawn at random from the step's batch every
     # step (0: all of them), and accepts on an upper confidence bound (at guard_confidence) of the batch's KL.
-    guard_responses: int = 8
+    guard_responses: int = 16
     guard_confidence: float = 0.9
     probe_max_tokens: int = 4096  # every measured row is cut to this many tokens
+    forward_tokens: int = 32768  # tokens per no-grad forward of the probe and guard: more rows run in chunks
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
@@ -81,6 +84,7 @@ class KLConfig:
             "must be in [0.5, 1) (0.5: accept on the measured mean)",
         )
         check_positive_int("logra.kl.probe_max_tokens", self.probe_max_tokens)
+        check_positive_int("logra.kl.forward_tokens", self.forward_tokens)
         check_bool("logra.kl.mismatch_subtraction", self.mismatch_subtraction)
         check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)
         check_fraction("logra.kl.mismatch_budget_floor", self.mismatch_budget_floor)

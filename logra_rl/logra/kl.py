@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Any
 
@@ -46,6 +46,8 @@ POSITION_CHUNK = 64  # generated positions per float64 KL chunk: bounds the (chu
 ATTENTION_BLOCK = 2**24
 # Each line-search try shrinks α by at least this factor, whatever the measured overshoot says.
 MAX_SHRINK = 0.7
+# The growth exponents a shrink assumes between measurements (KL ∝ α^p): from linear-ish to steeper than cubic.
+MIN_EXPONENT, MAX_EXPONENT = 0.5, 4.0
 # A step whose KL bound is below this share of the budget is tried once more, closer to the budget.
 UNDERSHOOT = 0.5
 # `estimator=previous` proposes from a geometric EMA of the committed steps' measured curvature (KL per unit α²):
@@ -97,6 +99,7 @@ class KLRows:
     head: HeadFn | None = None
     population: int = 0
     weights: torch.Tensor | None = None
+    forward_tokens: int = 0  # tokens per forward (`features` runs the rows in chunks); 0: all rows at once
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.loss_mask.shape or self.input_ids.dim() != 2:
@@ -117,7 +120,9 @@ class KLRows:
         length = min(length, max_tokens or length)
         population = self.population if rows >= len(self) else 0
         weights = None if self.weights is None else self.weights[:rows]
-        return KLRows(self.forward, ids[:, :length], mask[:, :length], self.head, population, weights)
+        return replace(
+            self, input_ids=ids[:, :length], loss_mask=mask[:, :length], population=population, weights=weights
+        )
 
     def distinct(self) -> KLRows:
         """Each distinct row (tokens and mask) once, in the order they first come, weighted by how often it occurs:
@@ -131,7 +136,22 @@ class KLRows:
             first.setdefault(group, row)
         order = torch.tensor(list(first.values()), device=key.device)
         weights = counts[list(first)].to(key.device)
-        return KLRows(self.forward, self.input_ids[order], self.loss_mask[order], self.head, self.population, weights)
+        return replace(self, input_ids=self.input_ids[order], loss_mask=self.loss_mask[order], weights=weights)
+
+
+def features(rows: KLRows) -> torch.Tensor:
+    """`rows.forward` over the rows without gradients, in chunks of at most `rows.forward_tokens` tokens, as many on
+    every rank (each forward of an FSDP2 model is a collective: a rank with fewer chunks runs a spare one)."""
+    per_chunk = max(1, rows.forward_tokens // rows.input_ids.shape[1]) if rows.forward_tokens else len(rows)
+    chunks = rows.input_ids.split(per_chunk)
+    count = torch.tensor(len(chunks), device=rows.input_ids.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        outputs = [rows.forward(chunk) for chunk in chunks]
+        for _ in range(int(count) - len(chunks)):
+            rows.forward(chunks[-1][:1])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 @torch.no_grad()
@@ -321,7 +341,7 @@ def jvp_kl(rows: KLRows, step: LowRankStep, temperature: float) -> tuple[torch.T
     count = torch.zeros((), dtype=torch.float64, device=rows.input_ids.device)
     with torch.no_grad(), ChunkedAttention(), _tangent(step):
         for row in range(len(rows)):
-            one = KLRows(rows.forward, rows.input_ids[row : row + 1], rows.loss_mask[row : row + 1], rows.head)
+            one = replace(rows, input_ids=rows.input_ids[row : row + 1], loss_mask=rows.loss_mask[row : row + 1])
             with fwAD.dual_level():
                 features = one.forward(one.input_ids)
                 if fwAD.unpack_dual(features).tangent is None:
@@ -337,6 +357,17 @@ def jvp_kl(rows: KLRows, step: LowRankStep, temperature: float) -> tuple[torch.T
 
 
 # ---- the budget and the guard -----------------------------------------------------------------------------
+
+
+def _growth(tried: list[tuple[float, KLEstimate]]) -> float:
+    """The exponent p of KL ∝ α^p through the last two measurements (2 after one, or where they cannot tell)."""
+    if len(tried) < 2:
+        return 2.0
+    (before, kl_before), (after, kl_after) = tried[-2], tried[-1]
+    if before == after or kl_before.upper <= 0 or kl_after.upper <= 0:
+        return 2.0
+    exponent = math.log(kl_before.upper / kl_after.upper) / math.log(before / after)
+    return min(MAX_EXPONENT, max(MIN_EXPONENT, exponent))
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
@@ -398,11 +429,20 @@ class GuardedStep:
         return measured.mean / predicted if predicted > 0 else math.nan
 
     def refusal(self) -> str:
-        return (
+        message = (
             f"KL guard: after {self.tries} tries the KL bound was still {self.measured.upper / self.budget:.3g}x "
             f"the budget {self.budget:.3g} (alpha {self.proposed_alpha:.3g} proposed, {self.alpha:.3g} last tried); "
             "the update is skipped"
         )
+        (first_alpha, first), last = self.tried[0], self.measured
+        if self.tries >= 2 and last.upper > 0 and first.upper / last.upper < first_alpha / self.alpha:
+            message += (
+                f". The KL fell less than linearly as alpha shrank ({first.upper:.3g} to {last.upper:.3g}): a floor "
+                "that smaller steps do not go below, such as the rounding of a bf16 merge (docs/logra.md, 'The trust "
+                f"region under bf16'), or contexts that flip at any step; if it persists, raise logra.kl.budget above "
+                f"{last.upper:.3g} or logra.kl.max_tries, or compute in float32 (model.compute_dtype)"
+            )
+        return message
 
 
 class KLController:
@@ -469,12 +509,14 @@ class KLController:
         """α from the proposal, then checked against the measured KL before anything is committed.
 
         `measure(α)` gives the KL of the step at α on the guard rows; the decisions read its upper bound. While
-        the bound exceeds `max_overshoot`·budget, α shrinks by √(budget/bound), and by at least MAX_SHRINK, and is
-        measured again: when the KL grows faster than α² (the usual way the quadratic model fails) the shrunk
-        step lands within the budget, often far below it. A step within the bound but below UNDERSHOOT·budget
-        gets one more try closer to the budget (on the power law through the last two measurements, or, after
-        one, KL ∝ α^GROWTH_EXPONENT up to α_max), kept only if it is within the bound too. After `max_tries`
-        measurements without a step within the bound the update is refused.
+        the bound exceeds `max_overshoot`·budget, α shrinks to where KL ∝ α^p meets the budget, by at least
+        MAX_SHRINK, and is measured again: p = 2 after one measurement, then the power law through the last two
+        (kept within [MIN_EXPONENT, MAX_EXPONENT]): a KL that grows faster than α² (the usual way the quadratic
+        model fails) is shrunk no further than needed, one that grows slower (contexts that flip at any step) is
+        shrunk enough. A step within the bound but below UNDERSHOOT·budget gets one more try closer to the budget
+        (on the power law through the last two measurements, or, after one, KL ∝ α^GROWTH_EXPONENT up to α_max),
+        kept only if it is within the bound too. After `max_tries` measurements without a step within the bound the
+        update is refused.
         """
         config = self.config
         limit = config.max_overshoot * budget
@@ -494,7 +536,7 @@ class KLController:
         alpha = self.alpha(q, budget)
         estimate = measured(alpha)
         while estimate.upper > limit and len(tried) < config.max_tries:
-            alpha *= min(MAX_SHRINK, math.sqrt(budget / estimate.upper))
+            alpha *= min(MAX_SHRINK, (budget / estimate.upper) ** (1 / _growth(tried)))
             estimate = measured(alpha)
         accepted = estimate.upper <= limit
         if accepted and estimate.upper < UNDERSHOOT * budget and len(tried) < config.max_tries:

@@ -37,6 +37,7 @@ from logra_rl.logra.kl import (
     KLEstimate,
     KLRows,
     LowRankStep,
+    features,
     jvp_kl,
     kl_estimate,
     masked_logits,
@@ -277,16 +278,14 @@ class LoGRAOptimizer:
         """q: predicted KL per generated token of the prepared update at α = 1 (KL(α) ≈ q·α²).
 
         `rows.forward` must run the model as the policy (eval mode, no dropout). The first `kl.probe_responses`
-        rows, cut to `kl.probe_max_tokens`, are probed (the same count on every rank); the estimator is
-        `kl.estimator`: the JVP, or the exact KL at ±`kl.fd_step` (`trial`).
+        rows, cut to `kl.probe_max_tokens`, are probed (the same count on every rank), by the exact KL at
+        ±`kl.fd_step` (`trial`) with `kl.estimator=finite_difference`, else by the JVP.
         """
         rows = self._probe_rows(rows)
         kl = self.config.kl
-        if kl.estimator == "previous":
-            raise ValueError("logra.kl.estimator=previous has no probe: q is the last committed step's measurement")
-        if kl.estimator == "jvp":
+        if kl.estimator != "finite_difference":
             return reduced_mean_kl(*jvp_kl(rows, self.proposal(), temperature))
-        base = _features(rows)
+        base = features(rows)
         h = kl.fd_step
         return sum(self._measure(rows, base, scale, temperature, 0.5).mean for scale in (h, -h)) / (2 * h**2)
 
@@ -295,7 +294,7 @@ class LoGRAOptimizer:
         rounding of the merged weights included, on `rows` (cut to `kl.probe_max_tokens`), with an upper bound on
         the KL over `rows.population` at `confidence`. The weights are not touched (`trial`)."""
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
-        return self._measure(rows, _features(rows), alpha, temperature, confidence)
+        return self._measure(rows, features(rows), alpha, temperature, confidence)
 
     def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
         """q on the first `kl.probe_responses` of `rows`, the α it proposes for `budget`, and that α checked
@@ -309,7 +308,7 @@ class LoGRAOptimizer:
         previous = self.config.kl.estimator == "previous"
         q = self.kl_controller.curvature if previous else self.probe_kl(rows, temperature)
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
-        base = _features(rows)
+        base = features(rows)
         confidence = self.config.kl.guard_confidence
 
         def measure(alpha: float) -> KLEstimate:
@@ -321,7 +320,7 @@ class LoGRAOptimizer:
         self, rows: KLRows, base: torch.Tensor, alpha: float, temperature: float, confidence: float
     ) -> KLEstimate:
         with self.trial(alpha):
-            stepped = rows.forward(rows.input_ids)
+            stepped = features(rows)
         mask, head = rows.loss_mask, rows.head
         before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
         sums, counts = row_kl(before, after, len(rows), temperature, base.device)
@@ -417,9 +416,3 @@ def _units(model: nn.Module, targets: list[LinearSketch]) -> dict[nn.Module, lis
     for target in targets:
         units.setdefault(owner.get(id(target.module), target.module), []).append(target)
     return units
-
-
-def _features(rows: KLRows) -> torch.Tensor:
-    """The policy's forward on `rows` as it is (no step), without gradients."""
-    with torch.no_grad():
-        return rows.forward(rows.input_ids)

@@ -33,11 +33,13 @@ from logra_rl.logra import (
     LoGRAOptimizer,
     ProbeError,
     UpdatePayload,
+    features,
     kl_estimate,
     masked_logits,
     row_kl,
 )
 from logra_rl.models.footprint import TRAINING, ModelFootprint, Part
+from logra_rl.models.head import LMHead
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
 from logra_rl.train.lora import add_lora
 from logra_rl.utils.checkpoint import UPDATE_STATE
@@ -76,15 +78,16 @@ def policy_forward(model: nn.Module) -> Iterator[None]:
             model.reshard()
 
 
-def predictions(rows: KLRows, head_trains: bool, offload: bool) -> Predictions:
+def predictions(rows: KLRows, head_trains: bool) -> Predictions:
     """The policy's predictions at the generated positions of `rows`, kept to be compared with the policy after an
-    update (`moved`); run inside `policy_forward`. Where the LM head does not train (LoGRA, LoRA) the final hidden
-    states are kept and the head applied when compared; else the logits themselves (on the host when `offload`)."""
-    features = rows.forward(rows.input_ids)
-    chunks = masked_logits(features, rows.loss_mask, rows.head)
-    if not head_trains:
-        return chunks  # lazy: the head runs in `moved`, one chunk at a time
-    return [(index, logits.cpu() if offload else logits) for index, logits in chunks]
+    update (`moved`); run inside `policy_forward`. The final hidden states are kept and the head applied when they
+    are compared, one chunk of positions at a time: a copy of the head as it is now where the update moves it."""
+    head = rows.head
+    if head_trains:
+        if not isinstance(head, LMHead):
+            raise TypeError("an update that moves the LM head needs KLRows.head to be an LMHead, to keep a copy of it")
+        head = head.frozen()
+    return masked_logits(features(rows), rows.loss_mask, head)
 
 
 def measured_rows(config: RunConfig, responses: int) -> int:
@@ -93,10 +96,12 @@ def measured_rows(config: RunConfig, responses: int) -> int:
     return min(responses or per_rank, per_rank)
 
 
-def forward_memory(model: ModelFootprint, rows: int, length: int) -> float:
-    """A no-grad forward over rows × length tokens: one layer's intermediates at a time (with fused attention, no
-    tokens² scores), and the final hidden states it returns."""
-    return rows * length * (model.saved_frozen + model.hidden * model.compute_bytes)
+def forward_memory(model: ModelFootprint, rows: int, length: int, forward_tokens: int = 0) -> float:
+    """No-grad forwards over rows × length tokens in chunks of `forward_tokens` (`logra.kl.features`): one layer's
+    intermediates of one chunk at a time (fused attention: no tokens² scores), and the final hidden states."""
+    tokens = rows * length
+    chunk = min(tokens, max(length, forward_tokens // length * length)) if forward_tokens else tokens
+    return chunk * model.saved_frozen + tokens * model.hidden * model.compute_bytes
 
 
 def kl_chunk_memory(model: ModelFootprint) -> float:
@@ -104,18 +109,16 @@ def kl_chunk_memory(model: ModelFootprint) -> float:
     return 5 * 8 * POSITION_CHUNK * model.vocab
 
 
-def kept_predictions(config: RunConfig, model: ModelFootprint, rows: int, length: int, head_trains: bool) -> float:
-    """`predictions` kept for `rows` rows: the logits at their generated tokens where the head trains, else the
-    final hidden states of every token."""
-    if head_trains:
-        return rows * min(config.data.max_response_length, length) * model.vocab * model.compute_bytes
-    return rows * length * model.hidden * model.compute_bytes
+def kept_predictions(model: ModelFootprint, rows: int, length: int, head_trains: bool) -> float:
+    """`predictions` kept for `rows` rows: their final hidden states, and a copy of the head where it trains."""
+    head = model.vocab * model.hidden * model.compute_bytes if head_trains else 0
+    return rows * length * model.hidden * model.compute_bytes + head
 
 
 def moved(before: Predictions, rows: KLRows, temperature: float) -> float:
     """KL(π_before ‖ π_now) per generated token of `rows` over every rank: how far the updates since `before`
     (`predictions`) moved the policy there; run inside `policy_forward`."""
-    after = masked_logits(rows.forward(rows.input_ids), rows.loss_mask, rows.head)
+    after = masked_logits(features(rows), rows.loss_mask, rows.head)
     sums, counts = row_kl(before, after, len(rows), temperature, rows.input_ids.device)
     return kl_estimate(sums, counts, 0, 0.5, rows.weights).mean
 
@@ -220,23 +223,19 @@ class DenseUpdate:
             Part("Adam moments", 8 * model.params / ranks),
             Part("gradients", 4 * model.params / ranks + 2 * 4 * model.layer_params, TRAINING),
         )
-        return RuleMemory(state, model.saved_trainable, DenseUpdate.probe_memory(config, model, sequence, cuda))
+        return RuleMemory(state, model.saved_trainable, DenseUpdate.probe_memory(config, model, sequence))
 
     @staticmethod
-    def probe_memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> tuple[Part, ...]:
-        """With `measure_kl`: a no-grad forward over the guard's rows, and the policy's predictions before the step
-        kept at their generated tokens (the logits, on the host on a GPU node, where the head trains; else the final
-        hidden states)."""
+    def probe_memory(config: RunConfig, model: ModelFootprint, sequence: int) -> tuple[Part, ...]:
+        """With `measure_kl`: no-grad forwards over the guard's rows, and the policy's predictions before the step
+        (their final hidden states, and a copy of the head where the rule trains it)."""
         if not config.optimizer.measure_kl:
             return ()
         kl = config.logra.kl
         rows, length = measured_rows(config, kl.guard_responses), min(sequence, kl.probe_max_tokens)
-        logits = update_rule_class(config).trains_head  # the logits are kept (on the host on a GPU node)
-        kept = kept_predictions(config, model, rows, length, logits)
-        return (
-            Part("KL measurement", forward_memory(model, rows, length) + kl_chunk_memory(model), TRAINING),
-            Part("KL measurement: predictions before", kept, TRAINING, on_host=cuda and logits),
-        )
+        kept = kept_predictions(model, rows, length, update_rule_class(config).trains_head)
+        forward = forward_memory(model, rows, length, kl.forward_tokens) + kl_chunk_memory(model)
+        return (Part("KL measurement", forward + kept, TRAINING),)
 
     @staticmethod
     def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
@@ -262,8 +261,8 @@ class DenseUpdate:
             rows = inputs.kl_rows() if self.config.measure_kl else None
             if rows is not None:
                 start = time.perf_counter()
-                with policy_forward(self.model):  # the logits off the GPU while it steps
-                    before = predictions(rows, self.trains_head, offload=rows.input_ids.is_cuda)
+                with policy_forward(self.model):
+                    before = predictions(rows, self.trains_head)
                 seconds = time.perf_counter() - start
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -316,7 +315,7 @@ class LoRAUpdate(DenseUpdate):
         adapters = sum(rank * (d_out + k_in) for d_out, k_in in model.targets)
         state = (Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING))
         saved = model.saved_trainable + model.compute_bytes * (len(model.targets) / model.layers) * rank
-        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, sequence, cuda))
+        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, sequence))
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:
@@ -361,14 +360,15 @@ class LoGRAUpdate:
         length = min(sequence, kl.probe_max_tokens)
         rows = measured_rows(config, kl.guard_responses)
         trial = 4 * model.target_params / model.layers / ranks
-        guard = forward_memory(model, rows, length) + rows * length * model.hidden * c + trial + kl_chunk_memory(model)
+        guard = forward_memory(model, rows, length, kl.forward_tokens) + rows * length * model.hidden * c
+        guard += trial + kl_chunk_memory(model)
         proposal = 0.0
         if kl.estimator == "jvp":
             attention = 6 * 4 * ATTENTION_BLOCK + 2 * 2 * 4 * length * model.heads * model.head_dim
             proposal = 2 * forward_memory(model, 1, length) + attention + 2 * kl_chunk_memory(model)
         elif kl.estimator == "finite_difference":
             probe_rows = min(kl.probe_responses, measured_rows(config, 0))
-            proposal = 2 * forward_memory(model, probe_rows, length) + trial + kl_chunk_memory(model)
+            proposal = 2 * forward_memory(model, probe_rows, length, kl.forward_tokens) + trial + kl_chunk_memory(model)
         return RuleMemory(
             state=(Part("LoGRA state", state), Part("LoGRA update", 4 * rank * model.target_rows, TRAINING)),
             saved_per_token=saved,
@@ -431,6 +431,8 @@ class LoGRAUpdate:
             metrics["logra/kl_realized_over_predicted"] = step.calibration
         if not step.accepted:
             opt.discard()
+            if _is_rank0():
+                print(f"[logra-train] {step.refusal()}", flush=True)
             return {**metrics, "train/skipped": 1.0}, NoChange(step.refusal())
         payload = opt.commit(step.alpha)
         controller.record(opt.policy_version, step)

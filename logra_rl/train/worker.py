@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from logra_rl.config import RunConfig
 from logra_rl.logra import KLRows, ProbeError, UpdatePayload, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
-from logra_rl.models.head import fold_head_inputs
+from logra_rl.models.head import LMHead, fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.rl.logprobs import logprob_chunk
 from logra_rl.train.api import (
@@ -153,9 +153,8 @@ class TrainWorker:
         if config.trainer.heldout_every:  # the held-out rows' predictions, kept through the update
             length = min(sequence, config.logra.kl.probe_max_tokens)
             rows = min(config.trainer.heldout_responses, rows)
-            logits = update_rule_class(config).trains_head  # kept on the host on a GPU node; else hidden states
-            kept = kept_predictions(config, model, rows, length, logits)
-            training.append(Part("held-out predictions", kept, TRAINING, on_host=cuda and logits))
+            kept = kept_predictions(model, rows, length, update_rule_class(config).trains_head)
+            training.append(Part("held-out predictions", kept, TRAINING))
         # rank 0 reads the whole checkpoint as fp32 into host memory while its shards exist, then broadcasts it;
         # an fp32 checkpoint is memory-mapped (page cache, which the kernel reclaims), any other is converted
         loaded = 0 if model.checkpoint_bytes == 4 else 4 * model.params
@@ -211,7 +210,7 @@ class TrainWorker:
         self.decoder, self.output_embeddings = base.get_decoder(), base.get_output_embeddings()
         fold_head_inputs(base)  # the hidden-state pass applies the head to the last position of each row
         self.vocab = self.output_embeddings.weight.shape[0]
-        self.logit_softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 and 3
+        self.head = LMHead(self.output_embeddings, getattr(base.config, "final_logit_softcapping", None))
         self.rule = self.rule_class(self.model, self.config, self.world_size)
         scaling = self.config.optimizer.lora_scaling
         self.export = WeightExport(self.model, lora, scaling, self.rank, self.world_size, self.device)
@@ -288,7 +287,7 @@ class TrainWorker:
                     return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
                 if heldout is not None:
                     with timer("heldout"), policy_forward(self.model):
-                        before = predictions(heldout, self.rule_class.trains_head, offload=self.device.type == "cuda")
+                        before = predictions(heldout, self.rule_class.trains_head)
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],
@@ -389,18 +388,13 @@ class TrainWorker:
             hook.remove()
         return captured[0]
 
-    def _head(self, states: torch.Tensor) -> torch.Tensor:
-        """The LM head (its weight still gathered after the root forward), with the model's logit soft-cap."""
-        logits = self.output_embeddings(states)
-        return logits if self.logit_softcap is None else self.logit_softcap * torch.tanh(logits / self.logit_softcap)
-
     def _sampled_logprobs(self, micro: TrainBatch) -> torch.Tensor:
         """π_train log-probs of the loss-mask tokens (0 elsewhere), aligned with input_ids[:, 1:]; the full
         (tokens × vocab) logits never exist."""
         ids = micro.input_ids.to(self.device)
         where = micro.loss_mask[:, 1:].to(self.device).bool()
         hidden = self._hidden_states(ids, micro.attention_mask.to(self.device))[:, :-1]
-        values = head_logprobs(hidden[where], self._head, ids[:, 1:][where], self.temperature, self.vocab)
+        values = head_logprobs(hidden[where], self.head, ids[:, 1:][where], self.temperature, self.vocab)
         return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values)
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
@@ -481,8 +475,9 @@ class TrainWorker:
             forward=lambda ids: self._hidden_states(ids),
             input_ids=rows.input_ids.to(self.device),
             loss_mask=rows.loss_mask.to(self.device),
-            head=self._head,
+            head=self.head,
             population=population,
+            forward_tokens=self.config.logra.kl.forward_tokens,
         ).distinct()
 
     def _memory_metrics(self) -> dict[str, float]:

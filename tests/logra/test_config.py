@@ -16,7 +16,9 @@ def test_defaults_are_the_reference_port_defaults():
         300,
         3.0,
     )
-    assert (kl.estimator, kl.probe_responses, kl.probe_max_tokens) == ("jvp", 2, 4096)
+    assert (kl.probe_responses, kl.probe_max_tokens) == (2, 4096)
+    # ours: the guard on 16 random responses per rank, proposals from its own measurements
+    assert (kl.estimator, kl.guard_responses, kl.guard_confidence, kl.max_overshoot) == ("previous", 16, 0.9, 1.5)
     assert (kl.mismatch_subtraction, kl.mismatch_ema_weight, kl.mismatch_budget_floor) == (True, 0.3, 0.5)
 
 

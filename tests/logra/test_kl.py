@@ -318,7 +318,8 @@ class CosineHead(torch.nn.Module):
 
 def test_guard_lands_within_the_bound_where_the_quadratic_model_is_badly_wrong():
     budget = 1e-3
-    config = LoGRAConfig(rank=4, seed=1, update_ratio=3e3, target_modules=("q_proj",), wire_dtype="float32")
+    jvp = KLConfig(estimator="jvp")  # the quadratic model's proposal, which the guard must correct
+    config = LoGRAConfig(rank=4, seed=1, update_ratio=3e3, target_modules=("q_proj",), wire_dtype="float32", kl=jvp)
     model = CosineHead()
     opt = LoGRAOptimizer(model, config)
     batch = torch.arange(16).reshape(2, 8)
@@ -361,6 +362,8 @@ def test_guard_refuses_what_it_cannot_bring_within_the_bound():
     assert refused.proposed_alpha == pytest.approx(math.sqrt(2.5)) == alphas[0]
     assert alphas[1] == pytest.approx(alphas[0] * math.sqrt(1e-3))  # shrunk from the measurement, not q
     assert "KL guard" in refused.refusal() and "1e+03x the budget" in refused.refusal()
+    assert "a floor that smaller steps do not go below" in refused.refusal()  # α shrank 3e7-fold, the KL not at all
+    assert alphas[2] == pytest.approx(alphas[1] * 1e-3**2)  # a KL flat in α: shrunk as if KL ∝ α^MIN_EXPONENT
 
     slow = []  # a KL a little over the bound still shrinks α by at least MAX_SHRINK per try
     within = controller.guard(

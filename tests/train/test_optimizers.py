@@ -54,6 +54,7 @@ def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
     import torch
 
     from logra_rl.logra import KLRows, exact_kl
+    from logra_rl.models.head import LMHead
     from logra_rl.train.optimizers import DenseUpdate, UpdateInputs, dense_lr_factor
 
     class Policy(torch.nn.Sequential):
@@ -79,7 +80,7 @@ def test_a_dense_step_reports_the_exact_kl_it_moved_the_policy_by():
     input_ids = torch.randint(0, 11, (3, 7))
     loss_mask = torch.zeros(3, 7)
     loss_mask[:, 4:] = 1  # the generated tokens: logits at positions 3..5 predict them
-    rows = KLRows(forward=body, input_ids=input_ids, loss_mask=loss_mask, head=head)
+    rows = KLRows(forward=body, input_ids=input_ids, loss_mask=loss_mask, head=LMHead(head))
     for net in (model, twin):
         net(input_ids).logsumexp(-1).sum().backward()
     with torch.no_grad():
