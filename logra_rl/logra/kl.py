@@ -46,8 +46,9 @@ POSITION_CHUNK = 64  # generated positions per float64 KL chunk: bounds the (chu
 ATTENTION_BLOCK = 2**24
 # Each line-search try shrinks α by at least this factor, whatever the measured overshoot says.
 MAX_SHRINK = 0.7
-# The growth exponents a shrink assumes between measurements (KL ∝ α^p): from linear-ish to steeper than cubic.
-MIN_EXPONENT, MAX_EXPONENT = 0.5, 4.0
+# The growth a shrink assumes between measurements (KL ∝ α^p) at most; below p = 1 (a plateau) α shrinks tenfold
+MAX_EXPONENT = 4.0
+PLATEAU_SHRINK = 0.1
 # A step whose KL bound is below this share of the budget is tried once more, closer to the budget.
 UNDERSHOOT = 0.5
 # `estimator=previous` proposes from a geometric EMA of the committed steps' measured curvature (KL per unit α²):
@@ -100,6 +101,9 @@ class KLRows:
     population: int = 0
     weights: torch.Tensor | None = None
     forward_tokens: int = 0  # tokens per forward (`features` runs the rows in chunks); 0: all rows at once
+    # `forward` on these rows as the policy is now, when the caller already has it (the train step's own forward,
+    # where its numbers are the measurement's: fp32 compute): the guard then skips its unstepped forward
+    features: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.loss_mask.shape or self.input_ids.dim() != 2:
@@ -120,9 +124,9 @@ class KLRows:
         length = min(length, max_tokens or length)
         population = self.population if rows >= len(self) else 0
         weights = None if self.weights is None else self.weights[:rows]
-        return replace(
-            self, input_ids=ids[:, :length], loss_mask=mask[:, :length], population=population, weights=weights
-        )
+        features = None if self.features is None else self.features[:rows, :length]
+        ids, mask = ids[:, :length], mask[:, :length]
+        return replace(self, input_ids=ids, loss_mask=mask, population=population, weights=weights, features=features)
 
     def distinct(self) -> KLRows:
         """Each distinct row (tokens and mask) once, in the order they first come, weighted by how often it occurs:
@@ -136,12 +140,15 @@ class KLRows:
             first.setdefault(group, row)
         order = torch.tensor(list(first.values()), device=key.device)
         weights = counts[list(first)].to(key.device)
-        return replace(self, input_ids=self.input_ids[order], loss_mask=self.loss_mask[order], weights=weights)
+        features = None if self.features is None else self.features[order]
+        ids, mask = self.input_ids[order], self.loss_mask[order]
+        return replace(self, input_ids=ids, loss_mask=mask, weights=weights, features=features)
 
 
 def features(rows: KLRows) -> torch.Tensor:
     """`rows.forward` over the rows without gradients, in chunks of at most `rows.forward_tokens` tokens, as many on
-    every rank (each forward of an FSDP2 model is a collective: a rank with fewer chunks runs a spare one)."""
+    every rank (each forward of an FSDP2 model is a collective: a rank with fewer chunks runs a spare one). Use
+    `rows.features` instead where the caller has it for the unstepped policy."""
     per_chunk = max(1, rows.forward_tokens // rows.input_ids.shape[1]) if rows.forward_tokens else len(rows)
     chunks = rows.input_ids.split(per_chunk)
     count = torch.tensor(len(chunks), device=rows.input_ids.device)
@@ -366,8 +373,7 @@ def _growth(tried: list[tuple[float, KLEstimate]]) -> float:
     (before, kl_before), (after, kl_after) = tried[-2], tried[-1]
     if before == after or kl_before.upper <= 0 or kl_after.upper <= 0:
         return 2.0
-    exponent = math.log(kl_before.upper / kl_after.upper) / math.log(before / after)
-    return min(MAX_EXPONENT, max(MIN_EXPONENT, exponent))
+    return min(MAX_EXPONENT, math.log(kl_before.upper / kl_after.upper) / math.log(before / after))
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
@@ -510,13 +516,13 @@ class KLController:
 
         `measure(α)` gives the KL of the step at α on the guard rows; the decisions read its upper bound. While
         the bound exceeds `max_overshoot`·budget, α shrinks to where KL ∝ α^p meets the budget, by at least
-        MAX_SHRINK, and is measured again: p = 2 after one measurement, then the power law through the last two
-        (kept within [MIN_EXPONENT, MAX_EXPONENT]): a KL that grows faster than α² (the usual way the quadratic
-        model fails) is shrunk no further than needed, one that grows slower (contexts that flip at any step) is
-        shrunk enough. A step within the bound but below UNDERSHOOT·budget gets one more try closer to the budget
-        (on the power law through the last two measurements, or, after one, KL ∝ α^GROWTH_EXPONENT up to α_max),
-        kept only if it is within the bound too. After `max_tries` measurements without a step within the bound the
-        update is refused.
+        MAX_SHRINK, and is measured again: p = 2 after one measurement, then the power law through the last two (at
+        most MAX_EXPONENT): a KL that grows faster than α² (the usual way the quadratic model fails) is shrunk no
+        further than needed. A KL that grew slower than α (a plateau: contexts near a tie that any step this size
+        flips) is shrunk by PLATEAU_SHRINK, past the plateau, where the KL is quadratic again. A step within the
+        bound but below UNDERSHOOT·budget gets one more try closer to the budget (on the power law through the last
+        two measurements, or, after one, KL ∝ α^GROWTH_EXPONENT up to α_max), kept only if it is within the bound.
+        After `max_tries` measurements without a step within the bound the update is refused.
         """
         config = self.config
         limit = config.max_overshoot * budget
@@ -536,7 +542,8 @@ class KLController:
         alpha = self.alpha(q, budget)
         estimate = measured(alpha)
         while estimate.upper > limit and len(tried) < config.max_tries:
-            alpha *= min(MAX_SHRINK, (budget / estimate.upper) ** (1 / _growth(tried)))
+            growth = _growth(tried)
+            alpha *= PLATEAU_SHRINK if growth < 1 else min(MAX_SHRINK, (budget / estimate.upper) ** (1 / growth))
             estimate = measured(alpha)
         accepted = estimate.upper <= limit
         if accepted and estimate.upper < UNDERSHOOT * budget and len(tried) < config.max_tries:

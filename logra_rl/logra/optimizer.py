@@ -308,7 +308,7 @@ class LoGRAOptimizer:
         previous = self.config.kl.estimator == "previous"
         q = self.kl_controller.curvature if previous else self.probe_kl(rows, temperature)
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
-        base = features(rows)
+        base = features(rows) if rows.features is None else rows.features
         confidence = self.config.kl.guard_confidence
 
         def measure(alpha: float) -> KLEstimate:

@@ -87,7 +87,7 @@ def predictions(rows: KLRows, head_trains: bool) -> Predictions:
         if not isinstance(head, LMHead):
             raise TypeError("an update that moves the LM head needs KLRows.head to be an LMHead, to keep a copy of it")
         head = head.frozen()
-    return masked_logits(features(rows), rows.loss_mask, head)
+    return masked_logits(features(rows) if rows.features is None else rows.features, rows.loss_mask, head)
 
 
 def measured_rows(config: RunConfig, responses: int) -> int:

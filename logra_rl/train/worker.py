@@ -9,6 +9,7 @@ are all-reduced here, inside the group.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -211,6 +212,11 @@ class TrainWorker:
         fold_head_inputs(base)  # the hidden-state pass applies the head to the last position of each row
         self.vocab = self.output_embeddings.weight.shape[0]
         self.head = LMHead(self.output_embeddings, getattr(base.config, "final_logit_softcapping", None))
+        # The train step's forward gives the guard its unstepped one where both compute the same numbers: fp32
+        # (batches padded differently agree to ~1e-7; in bf16 they differ by an ulp) and no dropout
+        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules())
+        dropout = dropout or bool(getattr(base.config, "attention_dropout", 0))
+        self.measures_in_training = self.compute == "float32" and not dropout
         self.rule = self.rule_class(self.model, self.config, self.world_size)
         scaling = self.config.optimizer.lora_scaling
         self.export = WeightExport(self.model, lora, scaling, self.rank, self.world_size, self.device)
@@ -246,7 +252,7 @@ class TrainWorker:
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        compute = compute_dtype(self.config.model.compute_dtype, self.device.type == "cuda")
+        self.compute = compute = compute_dtype(self.config.model.compute_dtype, self.device.type == "cuda")
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=torch.float32)
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         for layer in decoder_layers(base)[1]:  # Gemma 3's sit under model.language_model
@@ -270,13 +276,14 @@ class TrainWorker:
         clipped = algorithm.clip_low is not None or algorithm.clip_high is not None
         timer = Timer()
         batch, guard, heldout = self._split(batch, step)
+        keep = guard if self.measures_in_training else None  # the guard rows' hidden states from the train forward
         if clipped and algorithm.epochs > 1:  # with one update, π_old is the current policy: its log-probs serve
             with timer("old_logprobs"):
                 batch = replace(batch, old_logprobs=self.logprobs(batch))
         per_epoch, updates = [], []
         staleness = self.rule.version - self._sampled_version(batch)
         for epoch in range(algorithm.epochs):
-            sums = self._forward_backward(batch, timer)
+            sums, kept = self._forward_backward(batch, timer, keep)
             if epoch == 0:  # the mismatch and behaviour KL before this step moved the weights
                 first, behaviour_kl = sums, sums["behaviour_kl"] / max(sums["tokens"], 1)
                 if staleness > 0 and behaviour_kl > algorithm.staleness_kl:
@@ -293,7 +300,7 @@ class TrainWorker:
                 num_tokens=sums["tokens"],
                 mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
-                kl_rows=lambda: guard,
+                kl_rows=functools.partial(self._kl_rows, batch.rows(guard), len(batch), kept),
                 staleness=staleness if epoch == 0 else 0,
                 behaviour_kl=behaviour_kl if epoch == 0 else 0.0,
             )
@@ -325,12 +332,12 @@ class TrainWorker:
         metrics.update(timer.seconds)
         return metrics, step_update(updates)
 
-    def _split(self, batch: TrainBatch, step: int) -> tuple[TrainBatch, KLRows, KLRows | None]:
+    def _split(self, batch: TrainBatch, step: int) -> tuple[TrainBatch, torch.Tensor, KLRows | None]:
         """This rank's rows in a random order (seeded by the run's seed, the step and the rank): on a held-out
         step (every `trainer.heldout_every`) the first `trainer.heldout_responses` (at most a quarter of the rows)
         are withheld from the gradient and the KL guard; the guard measures the next `logra.kl.guard_responses`
-        (0: all the rest). Returns the rows to train on (in their order), the guard's rows and the held-out rows
-        (None on other steps)."""
+        (0: all the rest). Returns the rows to train on (in their order), the guard's (indices into them) and the
+        held-out rows (None on other steps)."""
         trainer, kl = self.config.trainer, self.config.logra.kl
         order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(self._seed(step, KL_ROWS_STREAM)))
         withheld = 0
@@ -341,7 +348,8 @@ class TrainWorker:
         train = order[withheld:]
         guard = train[: kl.guard_responses or len(train)]
         heldout = self._kl_rows(batch.rows(order[:withheld]), 0) if withheld else None
-        return batch.rows(train.sort().values), self._kl_rows(batch.rows(guard), len(train)), heldout
+        kept = train.sort().values
+        return batch.rows(kept), torch.searchsorted(kept, guard), heldout
 
     def _seed(self, step: int, stream: int) -> int:
         return stream_seed(self.config.trainer.seed, step, stream, self.rank)
@@ -388,14 +396,14 @@ class TrainWorker:
             hook.remove()
         return captured[0]
 
-    def _sampled_logprobs(self, micro: TrainBatch) -> torch.Tensor:
-        """π_train log-probs of the loss-mask tokens (0 elsewhere), aligned with input_ids[:, 1:]; the full
-        (tokens × vocab) logits never exist."""
+    def _sampled_logprobs(self, micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """π_train log-probs of the loss-mask tokens (0 elsewhere), aligned with input_ids[:, 1:], and the final
+        hidden states they came from; the full (tokens × vocab) logits never exist."""
         ids = micro.input_ids.to(self.device)
         where = micro.loss_mask[:, 1:].to(self.device).bool()
-        hidden = self._hidden_states(ids, micro.attention_mask.to(self.device))[:, :-1]
-        values = head_logprobs(hidden[where], self.head, ids[:, 1:][where], self.temperature, self.vocab)
-        return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values)
+        states = self._hidden_states(ids, micro.attention_mask.to(self.device))
+        values = head_logprobs(states[:, :-1][where], self.head, ids[:, 1:][where], self.temperature, self.vocab)
+        return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values), states
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
         """This rank's microbatches, padded with None to the group's largest count.
@@ -419,23 +427,34 @@ class TrainWorker:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
         for micro in self._microbatches(batch):
-            values = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
+            values, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
             if micro is not None:
                 out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
                 row += len(micro)
         return out
 
-    def _forward_backward(self, batch: TrainBatch, timer: Timer) -> dict[str, float]:
-        """Loss and backward over token-budgeted microbatches; returns the group's sums (all-reduced)."""
+    def _forward_backward(
+        self, batch: TrainBatch, timer: Timer, keep: torch.Tensor | None = None
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Loss and backward over token-budgeted microbatches; returns the group's sums (all-reduced), and the final
+        hidden states of the rows `keep` indexes (rows × their longest length × hidden; None without `keep`)."""
         algorithm = self.config.algorithm
         sums = dict.fromkeys(SUMS, 0.0)
+        kept: dict[int, torch.Tensor] = {}
+        wanted = set() if keep is None else set(keep.tolist())
+        first = 0  # the batch row of the microbatch's first row: microbatches are consecutive rows
         for micro in self._microbatches(batch):
+            filler = micro is None
             micro = micro if micro is not None else self._filler(batch)  # zero loss mask: zero gradient
             mask = micro.loss_mask[:, 1:].to(self.device)
             rollout = micro.rollout_logprobs[:, 1:].to(self.device)
             old = None if micro.old_logprobs is None else micro.old_logprobs[:, 1:].to(self.device)
             with timer("forward"):
-                logprobs = self._sampled_logprobs(micro)
+                logprobs, states = self._sampled_logprobs(micro)
+                if not filler:
+                    for row in wanted.intersection(range(first, first + len(micro))):
+                        kept[row] = states[row - first].detach().clone()  # not the whole microbatch
+                    first += len(micro)
                 loss, stats = policy_gradient_loss(
                     logprobs,
                     rollout,
@@ -464,13 +483,17 @@ class TrainWorker:
             sums["behaviour_kl"] += float(behaviour_kl.sum())
         reduced = torch.tensor([sums[key] for key in SUMS], dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced)
-        return dict(zip(SUMS, reduced.tolist(), strict=True))
+        states = None
+        if keep is not None:  # right-padded to the longest (positions past a row's end are never read)
+            states = torch.nn.utils.rnn.pad_sequence([kept[int(row)] for row in keep], batch_first=True)
+        return dict(zip(SUMS, reduced.tolist(), strict=True)), states
 
-    def _kl_rows(self, rows: TrainBatch, population: int) -> KLRows:
+    def _kl_rows(self, rows: TrainBatch, population: int, features: torch.Tensor | None = None) -> KLRows:
         """Rows a KL is measured on (`population`: the rank's rows they were drawn from), cut after their last
         token, each distinct one once, probed through the decoder's hidden states with the LM head applied in chunks
-        of positions (no tokens × vocab logits)."""
+        of positions (no tokens × vocab logits); `features`: their hidden states from the train step's forward."""
         rows = rows.trimmed()
+        width = rows.input_ids.shape[1]
         return KLRows(
             forward=lambda ids: self._hidden_states(ids),
             input_ids=rows.input_ids.to(self.device),
@@ -478,6 +501,7 @@ class TrainWorker:
             head=self.head,
             population=population,
             forward_tokens=self.config.logra.kl.forward_tokens,
+            features=None if features is None else features[:, :width],
         ).distinct()
 
     def _memory_metrics(self) -> dict[str, float]:
