@@ -10,6 +10,7 @@ Runs anywhere (no GPU): the models are their configs alone (logra_rl/models/shap
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -45,6 +46,21 @@ def kv_room(config: RunConfig, model_dir: Path, residual: str, gpu: float) -> tu
     return residual_gpu / GIB, utilization, kv / GIB, kv / model.kv_bytes_per_token(2, tp)
 
 
+def guard_rows(config: RunConfig, model_dir: Path, machine: Machine) -> dict[str, object]:
+    """LoGRA's KL guard on the preset: its part of a train rank at the default `guard_responses`, and the most
+    responses per rank it can measure with the plan still fitting (the rank's whole share at most)."""
+    rank_rows = -(-config.trainer.prompts_per_step * config.rollout.n // config.cluster.train_workers)
+
+    def plan(rows: int):
+        kl = dataclasses.replace(config.logra.kl, guard_responses=rows)
+        return plan_memory(with_changes(config, logra={"kl": kl}), str(model_dir), machine)
+
+    default = config.logra.kl.guard_responses or rank_rows
+    part = next(p for p in plan(default).processes[0].parts if p.name == "KL probe and guard")
+    fits = max((rows for rows in range(1, rank_rows + 1) if plan(rows).fits), default=0)
+    return {"rank_rows": rank_rows, "default": default, "default_gib": part.nbytes / GIB, "fits": fits}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu-gib", type=float, default=80.0)
@@ -73,11 +89,18 @@ def main() -> None:
                 )
             rooms = {residual: kv_room(config, model_dir, residual, machine.gpu) for residual in ("tail", "float32")}
             results[f"{preset}/kv_room"] = rooms
+            results[f"{preset}/guard_rows"] = guard_rows(config, model_dir, machine)
     print("\n| preset | residual | GiB per rollout GPU | largest vLLM share beside it | KV cache per GPU | tokens |")
     print("|---|---|---:|---:|---:|---:|")
     for preset in PRESETS:
         for residual, (size, utilization, kv, tokens) in results[f"{preset}/kv_room"].items():
             print(f"| {preset} | {residual} | {size:.1f} | {utilization:.2f} | {kv:.1f} GiB | {tokens:,.0f} |")
+    print("\n| preset | rows a train rank trains on | the KL guard's part (default rows) | most guard rows that fit |")
+    print("|---|---:|---|---:|")
+    for preset in PRESETS:
+        rows = results[f"{preset}/guard_rows"]
+        part = f"{rows['default_gib']:.1f} GiB ({rows['default']} rows)"
+        print(f"| {preset} | {rows['rank_rows']} | {part} | {rows['fits']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {args.out}")
