@@ -96,13 +96,12 @@ class KLRows:
     """Rows a KL is measured on: `forward(input_ids)` runs the policy to its logits, or to its final hidden states
     when `head` (the LM head, applied in chunks of positions) is set; `loss_mask` marks the generated tokens.
     `weights`: how many responses each row stands for (`distinct`: identical rows are measured once; None: one
-    each). `population`: the responses of this rank's batch they were drawn from (0: these are all of them)."""
+    each)."""
 
     forward: ForwardFn
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     head: HeadFn | None = None
-    population: int = 0
     weights: torch.Tensor | None = None
     forward_tokens: int = 0  # tokens per forward (`features` runs the rows in chunks); 0: all rows at once
     # `forward` on these rows as the policy is now, when the caller already has it (the train step's own forward,
@@ -120,17 +119,15 @@ class KLRows:
         return self.input_ids.shape[0]
 
     def first(self, rows: int, max_tokens: int | None = None) -> KLRows:
-        """The first `rows` rows, cut to `max_tokens` (and after their last generated token); all of them keep
-        their population."""
+        """The first `rows` rows, cut to `max_tokens` (and after their last generated token)."""
         ids, mask = self.input_ids[:rows], self.loss_mask[:rows]
         generated = mask.any(dim=0).nonzero()
         length = int(generated[-1]) + 1 if len(generated) else mask.shape[1]
         length = min(length, max_tokens or length)
-        population = self.population if rows >= len(self) else 0
         weights = None if self.weights is None else self.weights[:rows]
         features = None if self.features is None else self.features[:rows, :length]
         ids, mask = ids[:, :length], mask[:, :length]
-        return replace(self, input_ids=ids, loss_mask=mask, population=population, weights=weights, features=features)
+        return replace(self, input_ids=ids, loss_mask=mask, weights=weights, features=features)
 
     def distinct(self) -> KLRows:
         """Each distinct row (tokens and mask) once, in the order they first come, weighted by how often it occurs:
@@ -205,7 +202,7 @@ def _all_reduce(values: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KLEstimate:
     """KL(π_before ‖ π_after) per generated token over measured rows (all ranks): `mean`, and `upper`, a one-sided
-    confidence bound on the mean over the rows they were drawn from (equal to `mean` when they are all of them)."""
+    confidence bound on the mean over the contexts the policy acts on, which the rows sample."""
 
     mean: float
     upper: float
@@ -215,20 +212,17 @@ class KLEstimate:
 
 
 def kl_estimate(
-    sums: torch.Tensor,
-    counts: torch.Tensor,
-    population: int,
-    confidence: float,
-    weights: torch.Tensor | None = None,
+    sums: torch.Tensor, counts: torch.Tensor, confidence: float, weights: torch.Tensor | None = None
 ) -> KLEstimate:
     """The ratio estimator Σ KL / Σ tokens over the rows of every rank and its upper confidence bound.
 
-    The rows (each standing for `weights` responses) are a simple random sample of `population` responses per rank
-    (0: they are the population). The bound is mean + z·se with the ratio estimator's standard error (its residuals
-    s_i − R·c_i, with the finite-population correction, so measuring every response gives se = 0) and z the normal
-    quantile of `confidence`. Every rank gets the same estimate, so every rank takes the same decision on it."""
+    The rows (each standing for `weights` responses) are a sample of the contexts the policy acts on: the batch is
+    one draw of them, the guard's rows a random part of it, and the next batch another draw. The bound is therefore
+    on the mean over those contexts, not over this batch: mean + z·se with the ratio estimator's standard error
+    (from the rows' residuals s_i − R·c_i) and z the normal quantile of `confidence`; the more unevenly the KL
+    spreads over the rows, the further the bound sits above the mean, even when the whole batch is measured. Every
+    rank gets the same estimate, so every rank takes the same decision on it."""
     weights = torch.ones_like(sums) if weights is None else weights.to(sums)
-    drawn = weights.sum()
     stats = torch.stack(
         [
             (weights * sums).sum(),
@@ -236,11 +230,10 @@ def kl_estimate(
             (weights * sums.square()).sum(),
             (weights * counts.square()).sum(),
             (weights * sums * counts).sum(),
-            drawn,
-            sums.new_tensor(float(population)) if population else drawn,
+            weights.sum(),
         ]
     )
-    total, tokens, sums_sq, counts_sq, cross, rows, pool = _all_reduce(stats.double()).tolist()
+    total, tokens, sums_sq, counts_sq, cross, rows = _all_reduce(stats.double()).tolist()
     if tokens == 0:
         raise ProbeError("the KL measurement saw no generated tokens; check loss_mask and logra.kl.probe_max_tokens")
     mean = total / tokens
@@ -251,8 +244,7 @@ def kl_estimate(
         residuals = max(sums_sq - 2 * mean * cross + mean**2 * counts_sq, 0.0)  # Σ (s_i − R·c_i)²
         spread = math.sqrt(residuals / (rows - 1)) / (tokens / rows)  # the sd of a row's KL per token, roughly
         row_cv = spread / mean if mean > 0 else 0.0
-        # the ratio estimator's standard error, with the finite-population correction
-        upper = mean + NormalDist().inv_cdf(confidence) * spread * math.sqrt(max(1 - rows / pool, 0.0) / rows)
+        upper = mean + NormalDist().inv_cdf(confidence) * spread / math.sqrt(rows)
     return KLEstimate(mean, upper, int(rows), int(tokens), row_cv)
 
 

@@ -292,7 +292,7 @@ class LoGRAOptimizer:
     def realized_kl(self, rows: KLRows, temperature: float, alpha: float, confidence: float = 0.5) -> KLEstimate:
         """The exact KL per generated token that commit(alpha) will cause, wire rounding and the compute dtype's
         rounding of the merged weights included, on `rows` (cut to `kl.probe_max_tokens`), with an upper bound on
-        the KL over `rows.population` at `confidence`. The weights are not touched (`trial`)."""
+        the KL over the contexts the rows sample, at `confidence`. The weights are not touched (`trial`)."""
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
         return self._measure(rows, features(rows), alpha, temperature, confidence)
 
@@ -324,7 +324,7 @@ class LoGRAOptimizer:
         mask, head = rows.loss_mask, rows.head
         before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
         sums, counts = row_kl(before, after, len(rows), temperature, base.device)
-        return kl_estimate(sums, counts, rows.population, confidence, rows.weights)
+        return kl_estimate(sums, counts, confidence, rows.weights)
 
     def _probe_rows(self, rows: KLRows) -> KLRows:
         """The first `probe_responses` rows (the fewest any rank has), cut to `probe_max_tokens`."""

@@ -120,7 +120,7 @@ def moved(before: Predictions, rows: KLRows, temperature: float) -> float:
     (`predictions`) moved the policy there; run inside `policy_forward`."""
     after = masked_logits(features(rows), rows.loss_mask, rows.head)
     sums, counts = row_kl(before, after, len(rows), temperature, rows.input_ids.device)
-    return kl_estimate(sums, counts, 0, 0.5, rows.weights).mean
+    return kl_estimate(sums, counts, 0.5, rows.weights).mean
 
 
 @dataclass(frozen=True)

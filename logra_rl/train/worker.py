@@ -300,7 +300,7 @@ class TrainWorker:
                 num_tokens=sums["tokens"],
                 mismatch_sum=sums["mismatch"] if epoch == 0 else 0.0,
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
-                kl_rows=functools.partial(self._kl_rows, batch.rows(guard), len(batch), kept),
+                kl_rows=functools.partial(self._kl_rows, batch.rows(guard), kept),
                 staleness=staleness if epoch == 0 else 0,
                 behaviour_kl=behaviour_kl if epoch == 0 else 0.0,
             )
@@ -347,7 +347,7 @@ class TrainWorker:
             withheld = int(count)
         train = order[withheld:]
         guard = train[: kl.guard_responses or len(train)]
-        heldout = self._kl_rows(batch.rows(order[:withheld]), 0) if withheld else None
+        heldout = self._kl_rows(batch.rows(order[:withheld])) if withheld else None
         kept = train.sort().values
         return batch.rows(kept), torch.searchsorted(kept, guard), heldout
 
@@ -488,10 +488,10 @@ class TrainWorker:
             states = torch.nn.utils.rnn.pad_sequence([kept[int(row)] for row in keep], batch_first=True)
         return dict(zip(SUMS, reduced.tolist(), strict=True)), states
 
-    def _kl_rows(self, rows: TrainBatch, population: int, features: torch.Tensor | None = None) -> KLRows:
-        """Rows a KL is measured on (`population`: the rank's rows they were drawn from), cut after their last
-        token, each distinct one once, probed through the decoder's hidden states with the LM head applied in chunks
-        of positions (no tokens × vocab logits); `features`: their hidden states from the train step's forward."""
+    def _kl_rows(self, rows: TrainBatch, features: torch.Tensor | None = None) -> KLRows:
+        """Rows a KL is measured on, cut after their last token, each distinct one once, probed through the decoder's
+        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits); `features`: their
+        hidden states from the train step's forward."""
         rows = rows.trimmed()
         width = rows.input_ids.shape[1]
         return KLRows(
@@ -499,7 +499,6 @@ class TrainWorker:
             input_ids=rows.input_ids.to(self.device),
             loss_mask=rows.loss_mask.to(self.device),
             head=self.head,
-            population=population,
             forward_tokens=self.config.logra.kl.forward_tokens,
             features=None if features is None else features[:, :width],
         ).distinct()
