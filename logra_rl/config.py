@@ -131,8 +131,8 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    # dense and LoRA: measure each step's KL on the rows LoGRA's guard measures (`train/kl_realized`);
-    # two forwards of `logra.kl.guard_responses` rows per step
+    # dense and LoRA: measure each step's KL on the rows LoGRA's guard measures (`train/kl_realized`); a forward of
+    # `logra.kl.guard_responses` rows per step after it (the one before is the train step's own in fp32)
     measure_kl: bool = True
 
     def __post_init__(self) -> None:

@@ -214,11 +214,11 @@ def test_the_staleness_bound_defaults_to_twice_what_the_stale_updates_may_move_t
     bound a LoGRA run sets below what those updates may move the policy would sample every stale batch again:
     refused. max_staleness is 0 or 1."""
     quickstart = RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1"]))
-    assert quickstart.algorithm.staleness_kl == pytest.approx(2 * 1 * 1.5 * 0.2)  # budget 2e-1 -> 2e-2
+    assert quickstart.algorithm.staleness_kl == pytest.approx(2 * 1 * 1.5 * 0.1)  # budget 1e-1 -> 1e-2
     ppo = ["+experiment=smollm2", "algorithm.max_staleness=1", "algorithm.epochs=2", "algorithm.clip_low=0.2"]
     assert RunConfig.from_mapping(compose_with(ppo)).algorithm.staleness_kl == pytest.approx(2 * 2 * 1.5 * 4e-2)
-    with pytest.raises(ValueError, match=r"algorithm.staleness_kl=0.2 .* raise it to at least 0.3"):
-        RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1", "algorithm.staleness_kl=0.2"]))
+    with pytest.raises(ValueError, match=r"algorithm.staleness_kl=0.1 .* raise it to at least 0.15"):
+        RunConfig.from_mapping(compose_with(["algorithm.max_staleness=1", "algorithm.staleness_kl=0.1"]))
     dense = ["optimizer=dense", "algorithm.max_staleness=1", "algorithm.staleness_kl=0.01"]
     assert RunConfig.from_mapping(compose_with(dense)).algorithm.staleness_kl == 0.01  # no KL budget to check
     unbounded = RunConfig.from_mapping(compose_with(["optimizer=dense", "algorithm.max_staleness=1"]))

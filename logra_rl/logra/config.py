@@ -40,8 +40,8 @@ class KLConfig:
     schedule: str = "cosine"  # cosine: budget -> final_budget over schedule_steps; constant: budget
     schedule_steps: int = 300
     alpha_max: float = 3.0
-    # The guard: a step whose realised KL exceeds max_overshoot × budget is shrunk and measured again, at
-    # most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
+    # The guard: a step whose measured KL's upper bound exceeds max_overshoot × budget is shrunk and measured again,
+    # at most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
     max_overshoot: float = 1.5
     max_tries: int = 4
     # The proposal's q (KL per unit α²): previous (the guard's measurements of the committed steps, averaged; none
@@ -51,7 +51,8 @@ class KLConfig:
     fd_step: float = 1.0  # finite-difference probe step, in units of the proposal (α)
     probe_responses: int = 2  # responses per data-parallel rank the proposal is estimated on
     # The guard measures each try on this many responses per rank, drawn at random from the step's batch every
-    # step (0: all of them), and accepts on an upper confidence bound (at guard_confidence) of the batch's KL.
+    # step (0: all of them), and accepts on an upper confidence bound (at guard_confidence) of the KL over the
+    # contexts the policy acts on (the batch is one draw of them).
     guard_responses: int = 16
     guard_confidence: float = 0.9
     probe_max_tokens: int = 4096  # every measured row is cut to this many tokens
@@ -70,7 +71,7 @@ class KLConfig:
             isinstance(self.max_overshoot, int | float) and self.max_overshoot >= 1,
             "logra.kl.max_overshoot",
             self.max_overshoot,
-            "must be >= 1 (the realised KL allowed, in budgets; inf turns the guard off)",
+            "must be >= 1 (the KL bound allowed, in budgets; inf turns the guard off)",
         )
         check_positive_int("logra.kl.max_tries", self.max_tries)
         check_choice("logra.kl.estimator", self.estimator, KL_ESTIMATORS)

@@ -10,9 +10,9 @@ Two measurements, with different jobs:
 - the **guard**: the exact KL of the step as it will be committed, on rows drawn at random from the step's
   batch (`KLRows`): one unstepped forward (or the train step's own), then one forward per try with the weights
   the commit would leave (`LoGRAOptimizer.trial`, so under bf16 it is the rounded merge the engines will sample
-  from). The rows give a mean per generated token and an upper confidence bound on the batch's mean
-  (`KLEstimate`); the step is shrunk until that bound is within `max_overshoot`·δ_eff, or refused
-  (`KLController.guard`).
+  from). The rows give a mean per generated token and an upper confidence bound on the mean over the contexts
+  the policy acts on, of which the batch is one draw (`KLEstimate`); the step is shrunk until that bound is
+  within `max_overshoot`·δ_eff, or refused (`KLController.guard`).
 
 Every forward returns logits, or the final hidden states when `KLRows.head` is set: the LM head is then applied to
 POSITION_CHUNK generated positions at a time, so no (tokens × vocab) tensor exists beyond a chunk. The guard's
@@ -452,7 +452,7 @@ class KLController:
     guard that holds each step to it. Remembers the budgets it granted to the last updates (checkpointed), against
     which a stale batch's behaviour KL is read."""
 
-    REMEMBERED = 8  # granted budgets kept: a stale batch is at most this many updates behind
+    REMEMBERED = 8  # granted budgets kept (a stale batch is max_staleness × epochs updates behind; past this, unknown)
 
     def __init__(self, config: KLConfig) -> None:
         self.config = config
@@ -477,8 +477,8 @@ class KLController:
         return max(budget - self.mismatch, self.config.mismatch_budget_floor * budget)
 
     def budget_since(self, version: int, current: int) -> float | None:
-        """Σ of the budgets granted to the updates from `version` to `current` (None where one is not known: a
-        skipped update, or one from before a restart)."""
+        """Σ of the budgets granted to the updates from `version` to `current` (None where one is not known: one
+        from before a restart, or older than the controller remembers)."""
         budgets = [self.granted.get(v) for v in range(version + 1, current + 1)]
         return sum(budgets) if budgets and None not in budgets else None
 

@@ -6,8 +6,8 @@
     payload = opt.commit(alpha=1.0)      # merge into the fp32 weights, redraw A, return the payload
 
 Between prepare and commit the KL helpers measure the proposal: `probe_kl` (q, the KL per
-unit α², on a few probe rows), `realized_kl` (the exact KL of a given α on a sample of rows, with an
-upper confidence bound) and `guarded_step` (both, and the α within the KL budget that may be
+unit α², by the JVP on a few probe rows: `kl.estimator=jvp`), `realized_kl` (the exact KL of a given α on
+the guard's rows, with an upper confidence bound) and `guarded_step` (both, and the α within the KL budget that may be
 committed, or a refusal). Every measurement of a step runs the model inside `trial(α)`, with the
 weights the commit would leave, bit for bit. `discard()` drops a prepared update and restores the
 RowAdam state, so a refused step changes nothing.
@@ -297,7 +297,8 @@ class LoGRAOptimizer:
         return self._measure(rows, features(rows), alpha, temperature, confidence)
 
     def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
-        """q on the first `kl.probe_responses` of `rows`, the α it proposes for `budget`, and that α checked
+        """q (`kl.estimator`: the controller's curvature from the committed steps, or the JVP / finite differences on
+        the first `kl.probe_responses` of `rows`), the α it proposes for `budget`, and that α checked
         before anything is committed: its KL is measured on all of `rows` (the guard's, drawn at random from the
         step's batch) and α shrunk while the upper bound at `kl.guard_confidence` exceeds `kl.max_overshoot`·budget
         (`KLController.guard`).

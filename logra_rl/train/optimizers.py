@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from logra_rl.logra import (
     ATTENTION_BLOCK,
     POSITION_CHUNK,
     KLRows,
+    LogitChunks,
     LoGRAOptimizer,
     ProbeError,
     UpdatePayload,
@@ -44,8 +45,6 @@ from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpda
 from logra_rl.train.lora import add_lora
 from logra_rl.utils.checkpoint import UPDATE_STATE
 from logra_rl.utils.shards import full_tensor
-
-Predictions = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (row index, logits) chunks, as `masked_logits` yields
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def policy_forward(model: nn.Module) -> Iterator[None]:
             model.reshard()
 
 
-def predictions(rows: KLRows, head_trains: bool) -> Predictions:
+def predictions(rows: KLRows, head_trains: bool) -> LogitChunks:
     """The policy's predictions at the generated positions of `rows`, kept to be compared with the policy after an
     update (`moved`); run inside `policy_forward`. The final hidden states are kept and the head applied when they
     are compared, one chunk of positions at a time: a copy of the head as it is now where the update moves it."""
@@ -97,7 +96,7 @@ def measured_rows(config: RunConfig, responses: int) -> int:
 
 
 def forward_memory(model: ModelFootprint, rows: int, length: int, forward_tokens: int = 0) -> float:
-    """No-grad forwards over rows × length tokens in chunks of `forward_tokens` (`logra.kl.features`): one layer's
+    """No-grad forwards over rows × length tokens in chunks of `forward_tokens` (`logra.kl.forward_tokens`): one layer's
     intermediates of one chunk at a time (fused attention: no tokens² scores), and the final hidden states."""
     tokens = rows * length
     chunk = min(tokens, max(length, forward_tokens // length * length)) if forward_tokens else tokens
@@ -110,12 +109,13 @@ def kl_chunk_memory(model: ModelFootprint) -> float:
 
 
 def kept_predictions(model: ModelFootprint, rows: int, length: int, head_trains: bool) -> float:
-    """`predictions` kept for `rows` rows: their final hidden states, and a copy of the head where it trains."""
-    head = model.vocab * model.hidden * model.compute_bytes if head_trains else 0
+    """`predictions` kept for `rows` rows: their final hidden states, and a copy of the head where it trains (of its
+    fp32 master weight, gathered whole: `LMHead.frozen`)."""
+    head = model.vocab * model.hidden * 4 if head_trains else 0
     return rows * length * model.hidden * model.compute_bytes + head
 
 
-def moved(before: Predictions, rows: KLRows, temperature: float) -> float:
+def moved(before: LogitChunks, rows: KLRows, temperature: float) -> float:
     """KL(π_before ‖ π_now) per generated token of `rows` over every rank: how far the updates since `before`
     (`predictions`) moved the policy there; run inside `policy_forward`."""
     after = masked_logits(features(rows), rows.loss_mask, rows.head)
@@ -140,7 +140,8 @@ class UpdateRule(Protocol):
     memory_lean: ClassVar[bool]  # the memory plan suggests this rule to a run that does not fit
     sends_payloads: ClassVar[bool]  # its updates reach the engines as payloads merged in place (else full resyncs)
     lr_schedule: ClassVar[bool]  # it follows optimizer.lr's warm-up + cosine schedule (cli warns when it is cut short)
-    trains_head: ClassVar[bool]  # its updates move the LM head (a KL measurement then keeps logits, not hidden states)
+    trains_head: ClassVar[bool]  # its updates move the LM head (a KL measurement then keeps a copy of the head)
+    measures_kl: bool  # it measures each update's KL on the guard rows (LoGRA always; dense and LoRA with measure_kl)
 
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None: ...
 
@@ -204,6 +205,7 @@ class DenseUpdate:
     def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
         self.config = config.optimizer
         self.world_size = world_size
+        self.measures_kl = config.optimizer.measure_kl
         trainable = [p for p in model.parameters() if p.requires_grad]  # all weights, or the LoRA adapters
         self.optimizer = torch.optim.AdamW(
             trainable,
@@ -258,7 +260,7 @@ class DenseUpdate:
         skipped = not math.isfinite(grad_norm)  # the same on every rank: the norm is global
         metrics = {"train/lr": lr, "train/grad_norm": grad_norm, "train/skipped": float(skipped)}
         if not skipped:
-            rows = inputs.kl_rows() if self.config.measure_kl else None
+            rows = inputs.kl_rows() if self.measures_kl else None
             if rows is not None:
                 start = time.perf_counter()
                 with policy_forward(self.model):
@@ -278,7 +280,7 @@ class DenseUpdate:
     def drop_backward(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _realized_kl(self, before: Predictions, rows: KLRows) -> dict[str, float]:
+    def _realized_kl(self, before: LogitChunks, rows: KLRows) -> dict[str, float]:
         """`train/kl_realized` of the step just taken, or nothing when it could not be measured (no generated
         token, a non-finite KL): the step stands either way, only its measurement is missing."""
         try:
@@ -325,10 +327,10 @@ class LoRAUpdate(DenseUpdate):
 
 
 class LoGRAUpdate:
-    """prepare → KL probe → budget → α → guard (realised KL, α shrunk while it overshoots) → commit, on the
-    probe rows of this rank's batch.
+    """prepare → budget → proposed α → guard (the step's KL on the guard rows of this rank's batch, α shrunk while
+    its upper bound overshoots) → commit.
 
-    A non-finite sketch, a probe that fails (no generated tokens, non-finite KL), a non-finite realised KL or
+    A non-finite sketch, a measurement that fails (no generated tokens, non-finite KL), a non-finite realised KL or
     a step the guard cannot bring within `logra.kl.max_overshoot` × its budget skips the update: the prepared
     update is discarded and nothing changes, on the trainer or the engines.
     """
@@ -342,6 +344,7 @@ class LoGRAUpdate:
         self.optimizer = LoGRAOptimizer(model, config.logra)
         self.model = model
         self.temperature = config.rollout.temperature
+        self.measures_kl = True
 
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import KLRows, ProbeError, UpdatePayload, decoder_layers
+from logra_rl.logra import KLRows, LogitChunks, ProbeError, UpdatePayload, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import LMHead, fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
@@ -46,7 +46,6 @@ from logra_rl.train.api import (
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.lora import lora_layers
 from logra_rl.train.optimizers import (
-    Predictions,
     UpdateInputs,
     kept_predictions,
     moved,
@@ -216,8 +215,8 @@ class TrainWorker:
         # (batches padded differently agree to ~1e-7; in bf16 they differ by an ulp) and no dropout
         dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules())
         dropout = dropout or bool(getattr(base.config, "attention_dropout", 0))
-        self.measures_in_training = self.compute == "float32" and not dropout
         self.rule = self.rule_class(self.model, self.config, self.world_size)
+        self.measures_in_training = self.compute == "float32" and not dropout and self.rule.measures_kl
         scaling = self.config.optimizer.lora_scaling
         self.export = WeightExport(self.model, lora, scaling, self.rank, self.world_size, self.device)
         self.model.train()
@@ -320,7 +319,7 @@ class TrainWorker:
             )
             if isinstance(update, NoChange):
                 break  # nothing moved: a further epoch would rebuild the same update from the same weights
-        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the probe's)
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward-only pass (the guard's)
         metrics = aggregate_epochs(per_epoch)
         if heldout is not None:
             with timer("heldout"):
@@ -354,7 +353,7 @@ class TrainWorker:
     def _seed(self, step: int, stream: int) -> int:
         return stream_seed(self.config.trainer.seed, step, stream, self.rank)
 
-    def _heldout_metrics(self, before: Predictions, heldout: KLRows, per_epoch: list[dict[str, float]]) -> dict:
+    def _heldout_metrics(self, before: LogitChunks, heldout: KLRows, per_epoch: list[dict[str, float]]) -> dict:
         """heldout/kl: how far the step's committed updates moved the policy on rows neither the gradient nor the
         guard saw; heldout/kl_budget: the sum of those updates' budgets (LoGRA)."""
         committed = [m for m in per_epoch if not m.get("train/skipped")]
@@ -489,19 +488,23 @@ class TrainWorker:
         return dict(zip(SUMS, reduced.tolist(), strict=True)), states
 
     def _kl_rows(self, rows: TrainBatch, features: torch.Tensor | None = None) -> KLRows:
-        """Rows a KL is measured on, cut after their last token, each distinct one once, probed through the decoder's
-        hidden states with the LM head applied in chunks of positions (no tokens × vocab logits); `features`: their
-        hidden states from the train step's forward."""
+        """Rows a KL is measured on, cut after their last token and to `logra.kl.probe_max_tokens`, each distinct one
+        once, probed through the decoder's hidden states with the LM head applied in chunks of positions (no tokens ×
+        vocab logits); `features`: their hidden states from the train step's forward."""
         rows = rows.trimmed()
-        width = rows.input_ids.shape[1]
-        return KLRows(
-            forward=lambda ids: self._hidden_states(ids),
-            input_ids=rows.input_ids.to(self.device),
-            loss_mask=rows.loss_mask.to(self.device),
-            head=self.head,
-            forward_tokens=self.config.logra.kl.forward_tokens,
-            features=None if features is None else features[:, :width],
-        ).distinct()
+        width, kl = rows.input_ids.shape[1], self.config.logra.kl
+        return (
+            KLRows(
+                forward=lambda ids: self._hidden_states(ids),
+                input_ids=rows.input_ids.to(self.device),
+                loss_mask=rows.loss_mask.to(self.device),
+                head=self.head,
+                forward_tokens=kl.forward_tokens,
+                features=None if features is None else features[:, :width],
+            )
+            .first(len(rows.input_ids), kl.probe_max_tokens)  # what the memory plan counts, for every update rule
+            .distinct()
+        )
 
     def _memory_metrics(self) -> dict[str, float]:
         """Mean current and largest peak memory over the group: CUDA allocator on GPU, process RSS on CPU."""

@@ -1,6 +1,6 @@
 """The benchmarks' runs of `logra-train` (scripts/bench/bench_methods.py, bench_async.py): one directory per arm and
-seed, OUT/runs/<arm>/seed<k>/, launched one at a time, a finished one never run again; and the spread of a value
-over seeds."""
+seed, OUT/runs/<arm>/seed<k>/, launched one at a time, a finished one never run again; the spread of a value over
+seeds; and measurements run in a fresh interpreter (`child_result`), so that a peak of memory is theirs alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from logra_rl.utils.timing import timed
 
@@ -64,3 +65,20 @@ def spread(values: list[float]) -> dict[str, float | int]:
         "max": max(values),
         "n": len(values),
     }
+
+
+CHILD_PREFIX = "BENCH_CHILD "  # marks the line a measurement's process prints its JSON result on
+
+
+def print_child_result(result: dict[str, Any]) -> None:
+    """In the measurement's process: its result, where `child_result` reads it among whatever else is printed."""
+    print(CHILD_PREFIX + json.dumps(result), flush=True)
+
+
+def child_result(command: list[str], label: str) -> dict[str, Any]:
+    """Run `command` (a script's own measurement mode) in a fresh interpreter and return the result it printed."""
+    process = subprocess.run(command, capture_output=True, text=True, check=False)
+    for line in process.stdout.splitlines():
+        if line.startswith(CHILD_PREFIX):
+            return json.loads(line[len(CHILD_PREFIX) :])
+    raise RuntimeError(f"{label} failed with exit code {process.returncode}:\n{process.stderr[-3000:]}")

@@ -145,10 +145,6 @@ class Run:
     def optimizer(self) -> str:
         return str(_get(self.config, "optimizer.name") or DASH)
 
-    @property
-    def max_overshoot(self) -> float:
-        return _max_overshoot(self.config)
-
     def series(self, key: str | None) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, skipping records without it or with null (a value that could not be computed)."""
         points = [(r["step"], float(r[key])) for r in self.records if key and r.get(key) is not None]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -32,11 +31,11 @@ from rich.table import Table
 from logra_rl.logra import KLRows, jvp_kl
 from logra_rl.models.shapes import QWEN25_1P5B
 from logra_rl.rl import head_logprobs, token_logprobs
+from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
 from logra_rl.utils.timing import timed
 
 VARIANTS = ("train_full", "train_chunked", "probe_full", "probe_chunked")
-CHILD_PREFIX = "BENCH_CHILD "
 ROWS = 4
 
 
@@ -92,14 +91,12 @@ def main() -> None:
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(CHILD_PREFIX + json.dumps(run_variant(args.child, args.tokens, args.layers)))
+        print_child_result(run_variant(args.child, args.tokens, args.layers))
         return
     results = []
     for variant in VARIANTS:
         command = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens)]
-        output = subprocess.run([*command, "--layers", str(args.layers)], capture_output=True, text=True, check=True)
-        line = next(line for line in output.stdout.splitlines() if line.startswith(CHILD_PREFIX))
-        results.append(json.loads(line[len(CHILD_PREFIX) :]))
+        results.append(child_result([*command, "--layers", str(args.layers)], variant))
         print(results[-1], flush=True)
     logits_gib = args.tokens * 151936 * 4 / GIB
     shape = f"{args.layers} layers of Qwen2.5-1.5B's shape, fp32"

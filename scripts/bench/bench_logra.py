@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from logra_rl.logra import (
     projection_seed,
 )
 from logra_rl.models.shapes import GEMMA3_27B, QUICK_TRAIN_SHAPE, QWEN25_1P5B, QWEN25_7B, TRAIN_SHAPE, Shape
+from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, RssSampler, peak_rss_bytes, rss_bytes
 from logra_rl.utils.timing import timed
 
@@ -59,7 +59,6 @@ SECTIONS = ("memory", "time", "payload", "apply", "drift")
 MEMORY_TARGET = 0.40  # LoGRA peak RSS / dense peak RSS
 TIME_TARGET = 0.85  # LoGRA step time / dense step time at rank 64
 RESIDUALS = ("tail", "float32", "bfloat16", "none")  # rollout-side residuals compared in the drift section
-CHILD_PREFIX = "BENCH_CHILD "
 MIB = 2**20
 console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
@@ -259,11 +258,7 @@ def spawn_step_child(args: argparse.Namespace, variant: str, rank: int, grad_ckp
     command += ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     label = f"{variant}{f' r={rank}' if variant == 'logra' else ''} (grad ckpt {grad_ckpt})"
     console.print(f"[step] running {label} in a fresh process (load average {os.getloadavg()[0]:.2f}) ...")
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    for line in proc.stdout.splitlines():
-        if line.startswith(CHILD_PREFIX):
-            return json.loads(line[len(CHILD_PREFIX) :])
-    raise RuntimeError(f"{label} failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return child_result(command, label)
 
 
 def bench_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -676,7 +671,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
-        print(CHILD_PREFIX + json.dumps(run_step_child(args)), flush=True)
+        print_child_result(run_step_child(args))
         return
     transformers.logging.set_verbosity_error()
     started = time.perf_counter()

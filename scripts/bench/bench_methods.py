@@ -14,7 +14,7 @@ learning-rate sweep run is the first half of that arm's 20-step run). Per arm, o
 standard deviation, min, max):
 - held-out pass@1 and pass@k at every eval;
 - the KL each update moved the policy: `train/kl_realized`, the exact KL(π_before ‖ π_after) per generated
-  token on the same probe rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
+  token on the same guard rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
   rows before and after the AdamW step), its median per step and its running sum (the cumulative KL at each
   eval counts the updates before it), and pass@1 at equal cumulative KL (each arm's mean curve, interpolated
   at the smallest final cumulative KL of all arms), and, with one point per step, the train reward (3-step

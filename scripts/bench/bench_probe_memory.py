@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,10 +40,10 @@ from logra_rl.config import RunConfig
 from logra_rl.logra import KLConfig, KLRows, LoGRAConfig, LoGRAOptimizer
 from logra_rl.models.footprint import model_footprint
 from logra_rl.train.optimizers import LoGRAUpdate
+from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
 from logra_rl.utils.timing import timed
 
-CHILD_PREFIX = "BENCH_CHILD "
 MEASUREMENTS = ("jvp", "guard", "jvp_math_kernel")
 PROBE_ROWS, GUARD_ROWS, RANK = 2, 8, 32
 SHAPE = dict(
@@ -130,15 +129,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         tokens = args.math_tokens if args.child == "jvp_math_kernel" else args.tokens
-        print(CHILD_PREFIX + json.dumps(run(args.child, tokens)))
+        print_child_result(run(args.child, tokens))
         return
     plans = {args.tokens: planned(args.tokens), args.math_tokens: planned(args.math_tokens)}
     results = []
     for measurement in MEASUREMENTS:
         command = [sys.executable, __file__, "--child", measurement, "--tokens", str(args.tokens)]
         command += ["--math-tokens", str(args.math_tokens)]
-        output = subprocess.run(command, capture_output=True, text=True, check=True)
-        result = json.loads(next(x for x in output.stdout.splitlines() if x.startswith(CHILD_PREFIX))[13:])
+        result = child_result(command, measurement)
         result["plan_gib"] = plans[result["tokens"]]["guard" if measurement == "guard" else "jvp"] / GIB
         results.append(result)
         print(result, flush=True)

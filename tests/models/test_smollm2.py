@@ -120,7 +120,7 @@ def test_two_steps_and_an_eval_on_the_real_model_through_the_hf_engine(tmp_path,
     for record in records[:2]:
         assert record["sync/drift"] == 0.0  # the engine holds bf16(master) exactly
         assert record["sync/payload_bytes"] > 0 and record["sync/full_resync_bytes"] == 0
-        # the preset's per-token KL budget (4e-2 at most), not the toy quickstart's 2e-1
+        # the preset's per-token KL budget (4e-2 at most), not the toy quickstart's 1e-1
         assert record["logra/kl_budget"] <= 4e-2
     # step 0 withheld rows from the gradient and the guard: the step's KL there, nothing tuned on it
     assert 0 < records[0]["heldout/kl"] <= 4 * records[0]["heldout/kl_budget"]

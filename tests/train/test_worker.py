@@ -1,6 +1,10 @@
 """TrainWorker set-up through Ray: only rank 0 reads the checkpoint, the other ranks build on the meta
 device and receive their shards, and the sharded model is exactly the model on disk."""
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -85,6 +89,20 @@ def response_batch(rows: int = 4, **fields) -> TrainBatch:
     )
 
 
+@contextlib.contextmanager
+def set_up_group(config: RunConfig, path: Path) -> Iterator[TrainGroup]:
+    """A TrainGroup set up on the model at `path`, on a Ray that is stopped after unless one already ran."""
+    owns_ray = start_ray(config)
+    group = TrainGroup(config, str(path))
+    try:
+        group.setup()
+        yield group
+    finally:
+        group.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+
 def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
     """Two FSDP2 ranks, tied embeddings (a parameter of the root, which a forward-only pass leaves gathered):
     `train/kl_realized` is the exact KL per generated token between the model before the step and the model
@@ -97,16 +115,9 @@ def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_a
     config = RunConfig.from_mapping(run_config(overrides))
     batch = response_batch()
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
-    owns_ray = start_ray(config)
-    group = TrainGroup(config, str(path))
-    try:
-        group.setup()
+    with set_up_group(config, path) as group:
         result = group.train_step(batch, step=0)
         after = group.full_state()
-    finally:
-        group.shutdown()
-        if owns_ray:
-            ray.shutdown()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     where = loss_mask[:, 1:].bool()  # 2 rows per shard, both measured
@@ -132,17 +143,10 @@ def test_the_held_out_rows_train_nothing_and_measure_the_step_where_nothing_was_
     overrides.append("logra.update_ratio=1e-2")
     config = RunConfig.from_mapping(run_config(overrides))
     batch = response_batch(rows=8)
-    owns_ray = start_ray(config)
-    group = TrainGroup(config, str(path))
-    try:
-        group.setup()
+    with set_up_group(config, path) as group:
         before = group.full_state()
         result = group.train_step(batch, step=0)
         after = group.full_state()
-    finally:
-        group.shutdown()
-        if owns_ray:
-            ray.shutdown()
 
     assert result.metrics["train/tokens"] == 6 * 6  # 3 rows of each rank's 4 trained, 6 response tokens each
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -168,18 +172,11 @@ def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_beha
     config = RunConfig.from_mapping(run_config(overrides))
     batch = response_batch(policy_version=torch.zeros(4, dtype=torch.long))  # sampled by the start's weights
     input_ids, loss_mask = batch.input_ids, batch.loss_mask
-    owns_ray = start_ray(config)
-    group = TrainGroup(config, str(path))
-    try:
-        group.setup()
+    with set_up_group(config, path) as group:
         fresh = group.train_step(batch, step=0)  # on-policy: trained, whatever its behaviour KL
         before = group.full_state()
         stale = group.train_step(batch, step=1)  # the trainer is at version 1 now
         after = group.full_state()
-    finally:
-        group.shutdown()
-        if owns_ray:
-            ray.shutdown()
 
     assert fresh.policy_version == 1 and fresh.metrics["async/staleness"] == 0
     assert not isinstance(fresh.update, NoChange)
