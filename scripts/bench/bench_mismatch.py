@@ -169,7 +169,7 @@ def worker_sums(worker, batch) -> dict[str, float]:
     """The sums `TrainWorker._forward_backward` reports (forward, loss, backward: the run's own path)."""
     from logra_rl.utils.timing import Timer
 
-    sums = worker._forward_backward(batch, Timer())
+    sums, _ = worker._forward_backward(batch, Timer())
     worker.rule.optimizer.zero_sketches()
     return sums
 

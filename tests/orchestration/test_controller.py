@@ -24,7 +24,7 @@ REQUIRED = [
     "train/is_ratio_mean",
     "logra/alpha",
     "logra/kl_budget",
-    "logra/kl_predicted",
+    "logra/kl_proposed",
     "train/kl_realized",
     "logra/update_ratio",
     "sync/payload_bytes",
@@ -106,6 +106,8 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
         assert metrics["timing_s/step"] < 30  # a hung grader costs at most its timeout
         inside = sum(metrics[f"timing_s/{phase}"] for phase in ("forward", "backward", "update"))
         assert 0 < inside <= metrics["timing_s/train"]  # the worker's phases, timed inside the driver's train
+    # logra.kl.estimator=previous predicts from the committed steps: the first update has nothing to predict from
+    assert "logra/kl_predicted" not in history[0] and all("logra/kl_predicted" in m for m in history[1:])
     assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}

@@ -84,7 +84,7 @@ def test_the_worker_and_an_hf_engine_of_the_same_dtype_agree_to_the_dtypes_noise
     worker = TrainWorker(config, smollm2_model, rank=0, world_size=1)
     try:
         worker.setup(*worker.address("127.0.0.1"))  # in this process, one rank over gloo, as scripts/gpu_check.py does
-        sums = worker._forward_backward(batch, Timer())  # what the run reports and feeds the KL controller
+        sums, _ = worker._forward_backward(batch, Timer())  # what the run reports and feeds the KL controller
         logprobs = worker.logprobs(batch)
     finally:
         worker.shutdown()
