@@ -491,20 +491,16 @@ class TrainWorker:
         """Rows a KL is measured on, cut after their last token and to `logra.kl.probe_max_tokens`, each distinct one
         once, probed through the decoder's hidden states with the LM head applied in chunks of positions (no tokens ×
         vocab logits); `features`: their hidden states from the train step's forward."""
-        rows = rows.trimmed()
-        width, kl = rows.input_ids.shape[1], self.config.logra.kl
-        return (
-            KLRows(
-                forward=lambda ids: self._hidden_states(ids),
-                input_ids=rows.input_ids.to(self.device),
-                loss_mask=rows.loss_mask.to(self.device),
-                head=self.head,
-                forward_tokens=kl.forward_tokens,
-                features=None if features is None else features[:, :width],
-            )
-            .first(len(rows.input_ids), kl.probe_max_tokens)  # what the memory plan counts, for every update rule
-            .distinct()
+        rows, kl = rows.trimmed(), self.config.logra.kl
+        measured = KLRows(
+            forward=lambda ids: self._hidden_states(ids),
+            input_ids=rows.input_ids.to(self.device),
+            loss_mask=rows.loss_mask.to(self.device),
+            head=self.head,
+            forward_tokens=kl.forward_tokens,
+            features=features,  # `first` cuts them to the rows' length
         )
+        return measured.first(len(rows.input_ids), kl.probe_max_tokens).distinct()  # the length the plan counts
 
     def _memory_metrics(self) -> dict[str, float]:
         """Mean current and largest peak memory over the group: CUDA allocator on GPU, process RSS on CPU."""
