@@ -43,7 +43,7 @@ test: lint
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -c "import vllm"  # the vLLM tests skip without vllm: a broken install must fail here
-	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/rollout/test_vllm_layers.py tests/rollout/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/rollout/test_vllm_layers.py tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_export.py
 
 bench: setup
 	$(PY) scripts/bench/bench_logra.py

@@ -3,11 +3,12 @@ checkpoint), `logra-plan` (the memory plan of a run, nothing started), `logra-pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,44 +86,68 @@ def check_overrides(arguments: list[str]) -> str | None:
 def _run_setup(
     cfg: DictConfig, program: str, check: Callable[[DictConfig], str | None] | None = None
 ) -> tuple[RunConfig, Path, dict]:
-    """The validated config (one line and exit on a bad value or a `check` problem, before the run directory
-    exists), the run directory, the resolved mapping."""
+    """The validated config (one line and exit on a bad value or a `check` problem, leaving no run directory
+    behind), the run directory, the resolved mapping."""
     from logra_rl.config import RunConfig, migrate_keys
+    from logra_rl.utils.run_dir import remove_unused
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         config = RunConfig.from_mapping(cfg)
+        problem = check(HydraConfig.get()) if check else None
     except ValueError as error:
-        sys.exit(f"{program}: {error}")
-    problem = check(HydraConfig.get()) if check else None
+        problem = str(error)
     if problem:
+        remove_unused(run_dir, Path(OmegaConf.select(cfg, "trainer.output_dir", default="outputs")))  # Hydra made it
         sys.exit(f"{program}: {problem}")
     resolved, notes = migrate_keys(OmegaConf.to_container(cfg, resolve=True))  # old keys in a user's own YAML
     for note in notes:
         print(f"[{program}] {note}")
     resolved["algorithm"]["staleness_kl"] = config.algorithm.staleness_kl  # null resolves to the bound used
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return config, run_dir, resolved
 
 
 def _train(cfg: DictConfig) -> None:
     from logra_rl.orchestration.controller import Controller
+    from logra_rl.utils.run_dir import write_atomic
 
     config, run_dir, resolved = _run_setup(cfg, "logra-train", toy_settings_problem)
     _check_resume(run_dir, resolved, config.trainer.resume)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    print(f"[logra-train] experiment {config.experiment_name}, run directory {run_dir}")
-    schedule = lr_schedule_note(config)
-    if schedule:
-        print(f"[logra-train] {schedule}")
-    command = ""
-    if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
-        command = resume_command(sys.argv[1:], config.trainer.run_name)
-        print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}")
+    with _run_lock(run_dir, Path(config.trainer.output_dir), "logra-train"):
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
+        print(f"[logra-train] experiment {config.experiment_name}, run directory {run_dir}")
+        schedule = lr_schedule_note(config)
+        if schedule:
+            print(f"[logra-train] {schedule}")
+        command = ""
+        if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
+            command = resume_command(sys.argv[1:], config.trainer.run_name)
+            print(
+                f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}"
+            )
+        try:
+            Controller(config, run_dir, resolved, resume_command=command).run()
+        except Exception as error:
+            _exit_with_one_line(error)
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path, output_dir: Path, program: str) -> Iterator[None]:
+    """The run directory's lock for the block (one line and exit when another run holds it); the directory is
+    removed again when the run ends before it recorded anything (a run rejected at start-up)."""
+    from logra_rl.utils.run_dir import RunDirInUse, RunLock, remove_unused
+
+    lock = RunLock(run_dir, [argument for argument in sys.argv if not argument.startswith("hydra.job.name=")])
     try:
-        Controller(config, run_dir, resolved, resume_command=command).run()
-    except Exception as error:
-        _exit_with_one_line(error)
+        lock.acquire()
+    except RunDirInUse as error:
+        sys.exit(f"{program}: {error}")
+    try:
+        yield
+    finally:
+        lock.release()
+        remove_unused(run_dir, output_dir)
 
 
 def resume_command(arguments: list[str], run_name: str) -> str:
@@ -178,12 +203,26 @@ def toy_settings_problem(hydra_config: DictConfig) -> str | None:
 
 
 def _check_resume(run_dir: Path, resolved: dict, resume: str) -> None:
-    """Refuse to auto-resume a run directory whose checkpoints were made with another configuration."""
+    """Refuse, changing nothing, to auto-resume a run directory whose checkpoints were made with another
+    configuration, or none of whose checkpoints can be resumed: starting over would replace its history."""
     from logra_rl.config import migrate_keys
-    from logra_rl.utils.checkpoint import resume_conflicts
+    from logra_rl.utils.checkpoint import Checkpoints, resume_conflicts
 
+    if resume != "auto":
+        return
+    checkpoints = Checkpoints(run_dir, keep=1)
+    usable, damaged = checkpoints.resumable()
+    if usable is None and checkpoints.committed():
+        found = "; ".join(line.removesuffix("; skipped") for line in damaged) or (
+            f"{len(checkpoints.committed())} checkpoints, none named by checkpoints/latest"
+        )
+        sys.exit(
+            f"logra-train: {run_dir} holds a run that cannot be resumed ({found}); nothing was changed. Start it "
+            "over on purpose with trainer.resume=never (its records and checkpoints are replaced), start a new run "
+            "with trainer.run_name=NAME, or go back to a checkpoint you trust with trainer.resume=<checkpoint dir>"
+        )
     saved = run_dir / "config.yaml"
-    if resume != "auto" or not (run_dir / "checkpoints" / "latest").exists() or not saved.exists():
+    if not (checkpoints.root / "latest").exists() or not saved.exists():
         return
     conflicts = resume_conflicts(migrate_keys(OmegaConf.to_container(OmegaConf.load(saved)))[0], resolved)
     if conflicts:
@@ -201,7 +240,16 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
     from logra_rl.orchestration.cluster import GroupLost  # faults the run could not heal: one line too
     from logra_rl.orchestration.controller import TrainFailure
     from logra_rl.orchestration.rollout_group import EngineFailure
+    from logra_rl.utils.run_dir import no_space
 
+    full = no_space(error)
+    if full is not None and not os.environ.get("LOGRA_TRACEBACK"):
+        where = f" writing {full.filename}" if full.filename else ""
+        sys.exit(
+            f"{program}: no space left on the device{where}; what was being written was dropped and the run's "
+            "complete checkpoints are kept: free some space (or set trainer.output_dir to another disk) and rerun "
+            "the same command to resume"
+        )
     cause = getattr(error, "cause", None) if type(error).__name__.startswith("RayTaskError") else error
     faults = (EngineFailure, GroupLost, TrainFailure)
     if isinstance(cause, (*USER_ERRORS, *faults)) and not os.environ.get("LOGRA_TRACEBACK"):
@@ -212,13 +260,15 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
 def _eval(cfg: DictConfig) -> None:
     """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
     from logra_rl.orchestration.eval_driver import run_eval
+    from logra_rl.utils.run_dir import write_atomic
 
     config, run_dir, _ = _run_setup(cfg, "logra-eval")
-    try:
-        metrics = run_eval(config, run_dir)
-    except Exception as error:
-        _exit_with_one_line(error, "logra-eval")
-    (run_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    with _run_lock(run_dir, Path(config.trainer.output_dir), "logra-eval"):
+        try:
+            metrics = run_eval(config, run_dir)
+        except Exception as error:
+            _exit_with_one_line(error, "logra-eval")
+        write_atomic(run_dir / "eval_metrics.json", json.dumps(metrics, indent=2))
     for name, value in sorted(metrics.items()):
         print(f"{name:<50} {value:.4f}")
     print(f"[logra-eval] graded samples: {run_dir / 'eval'}/  metrics: {run_dir / 'eval_metrics.json'}")
@@ -233,18 +283,23 @@ def _plan(cfg: DictConfig) -> None:
 
     from logra_rl.config import RunConfig
     from logra_rl.data import load_workload
-    from logra_rl.models.loading import planning_model_path
+    from logra_rl.models.loading import known_shape, plan_preset_defaults, planning_model_path
     from logra_rl.orchestration.memory_plan import RUN_ANYWAY, machine_of, memory_problem, plan_memory, plan_table
 
     unread = None
     try:
+        notes = plan_preset_defaults(cfg)
         config = RunConfig.from_mapping(cfg)
         with tempfile.TemporaryDirectory() as scratch:
             model_path = planning_model_path(config, Path(scratch))
-            try:
-                prompt_tokens = load_workload(config.data, model_path).longest_prompt
-            except Exception as error:  # a config-only model directory, or data this machine cannot read
-                prompt_tokens, unread = None, f"{type(error).__name__}: {str(error)[:120]}"
+            if known_shape(config) is not None:  # a config alone: no weights, no tokenizer to size the prompts with
+                notes.append(f"planned from the known shape of {config.model.path}; no weights read")
+                prompt_tokens, unread = None, "a known shape has no tokenizer"
+            else:
+                try:
+                    prompt_tokens = load_workload(config.data, model_path).longest_prompt
+                except Exception as error:  # a config-only model directory, or data this machine cannot read
+                    prompt_tokens, unread = None, f"{type(error).__name__}: {str(error)[:120]}"
             machine = machine_of(config)
             plan = plan_memory(config, model_path, machine, prompt_tokens)
             problem = memory_problem(plan, config, model_path, machine, prompt_tokens)
@@ -255,7 +310,7 @@ def _plan(cfg: DictConfig) -> None:
     if unread:
         length = config.data.max_prompt_length
         console.print(f"- prompts sized at data.max_prompt_length={length}: the data was not read ({unread})")
-    for note in plan.notes:
+    for note in [*notes, *plan.notes]:
         console.print(f"- {note}")
     if problem:
         sys.exit(f"logra-plan: {problem}. logra-train stops there ({RUN_ANYWAY})")
@@ -266,19 +321,68 @@ evaluate = hydra.main(config_path="configs", config_name="config", version_base=
 plan_run = hydra.main(config_path="configs", config_name="config", version_base=None)(_plan)
 
 
+HELP = {
+    "logra-train": """logra-train: RL post-training of LLMs with LoGRA (docs/training.md).
+
+logra-train                                  the CPU quickstart
+logra-train +experiment=dapo_math_7b model.path=DIR data.train_files=[F] data.val_files=[F]
+logra-train -m trainer.seed=1,2,3            a sweep, one run directory per job
+A rerun under the same trainer.run_name resumes from its latest checkpoint; logra-export takes the model away.""",
+    "logra-eval": """logra-eval: pass@k of a model or a run's checkpoint on the data's eval split (docs/training.md).
+
+logra-eval model=hf model.path=DIR data=math             a model directory
+logra-eval +experiment=smollm2 eval.checkpoint=outputs/smollm2/run/checkpoints/step_20
+                                                         a checkpoint, with the trainer's eval seed for its step
+Graded samples go to <run directory>/eval/, the metrics to eval_metrics.json beside them.""",
+    "logra-plan": """logra-plan: the memory plan of a run, per process, without starting anything.
+Exits 1 when the run does not fit.
+
+logra-plan                                         the CPU quickstart on this machine
+logra-plan +experiment=dapo_math_7b                a GPU preset, from its model's known shape (no weights needed)
+logra-plan +experiment=smollm2 cluster.device=cuda cluster.gpu_memory_gib=80   another machine""",
+}
+
+
 def _entry(app, name: str) -> None:
     import transformers
+    from omegaconf import OmegaConf
 
     transformers.logging.disable_progress_bar()
+    OmegaConf.register_new_resolver("logra_help", lambda command: HELP.get(command, HELP["logra-train"]) + "\n")
     sys.argv[1:], notes = migrate_arguments(sys.argv[1:])
     for note in notes:
         print(f"[{name}] {note}")
     problem = check_overrides(sys.argv[1:])
+    if name != "logra-plan":  # a plan writes nothing
+        problem = problem or output_dir_problem(sys.argv[1:])
     if problem:
         sys.exit(f"{name}: {problem}")
     if not any(argument.startswith("hydra.job.name=") for argument in sys.argv[1:]):
         sys.argv.insert(_override_position(sys.argv), f"hydra.job.name={name}")  # names the help and log file
     app()
+
+
+def output_dir_problem(arguments: list[str]) -> str | None:
+    """Why the run directory could not be made where the overrides put it (Hydra makes it before the config is
+    read, and would fail with its own traceback), found by making and removing a directory there."""
+    import tempfile
+
+    values = dict(argument.split("=", 1) for argument in arguments if "=" in argument and not argument.startswith("-"))
+    key = "hydra.run.dir" if "hydra.run.dir" in values else "trainer.output_dir"
+    directory = values.get(key, "outputs")
+    if "${" in directory:  # an interpolation: Hydra resolves it
+        return None
+    existing = Path(directory).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        Path(tempfile.mkdtemp(dir=existing, prefix=".logra-write-check-")).rmdir()
+    except OSError as error:
+        return (
+            f"cannot make the run directory under {key}={directory} ({existing}: {error.strerror}); set {key} to "
+            "a writable directory"
+        )
+    return None
 
 
 def _override_position(argv: list[str]) -> int:

@@ -295,9 +295,14 @@ class TrainerConfig:
     # nothing was tuned on. 0: never
     heldout_every: int = 10
     heldout_responses: int = 4
+    # The exit status of a run stopped by SIGTERM / SIGINT with a checkpoint of the step it reached: 0, a clean
+    # stop; a scheduler that requeues on a code of its own takes that one
+    preempted_exit_code: int = 0
 
     def __post_init__(self) -> None:
         check_non_negative_int("trainer.max_restarts", self.max_restarts, "0: stop on a loss")
+        ok = 0 <= self.preempted_exit_code <= 255
+        check(ok, "trainer.preempted_exit_code", self.preempted_exit_code, "give an exit status in 0..255")
         check_non_negative_int("trainer.heldout_every", self.heldout_every, "0: never")
         check_positive_int("trainer.heldout_responses", self.heldout_responses)
         check_positive("trainer.step_timeout_s", self.step_timeout_s)
@@ -335,7 +340,7 @@ class EvalConfig:
     temperature: float = 0.7
     top_p: float = 1.0
     samples: int = 4  # k of pass@k
-    checkpoint: str | None = None  # logra-eval: a run's checkpoints/step_N directory instead of model.path
+    checkpoint: str | None = None  # logra-eval: a run's checkpoints/step_N (or the run directory) for model.path
     write_samples: bool = True
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -178,13 +179,38 @@ def test_logra_eval_of_a_lora_checkpoint_reproduces_the_runs_own_eval(tmp_path, 
     assert not any("lora" in k for k in exported)
 
 
-def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_the_run(tmp_path, quickstart_model):
+def stop_with_sigterm(process: subprocess.Popen, run_dir: Path, records: int, whole_group: bool) -> tuple[int, str]:
+    """SIGTERM once the run has `records` records: to its whole process group (SLURM, `timeout`) or to the driver
+    alone (docker stop, Kubernetes); checks the stop (within SLURM's 30 s grace, status 0, no traceback, the
+    checkpoint of the step reached, each step recorded once); returns that step and the printed resume command."""
+    wait_for_records(process, run_dir, records)
+    signalled = time.perf_counter()
+    if whole_group:
+        os.killpg(process.pid, signal.SIGTERM)  # every process the run started: Ray's and the graders' too
+    else:
+        process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert time.perf_counter() - signalled < 30, stderr[-3000:]
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if "interrupted by SIGTERM at step" in line)
+    step = int(line.split("at step ")[1].split(":")[0])
+    assert (run_dir / f"checkpoints/step_{step}/controller.json").exists()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(step))  # the steps run, each once
+    return step, line.split("resume with: ")[1]
+
+
+def test_sigterm_to_the_driver_or_the_whole_job_checkpoints_the_step_reached_and_the_run_resumes_exactly(
+    tmp_path, quickstart_model
+):
+    """Stopped twice (its whole process group, then its driver alone) and resumed each time with the command it
+    printed, the run's records are a straight run's; a copy whose every checkpoint is damaged is refused without a
+    byte changed."""
     common = [
         "model=hf",
         f"model.path={quickstart_model}",
         "logra=quickstart",
         "trainer.prompts_per_step=16",
-        "trainer.checkpoint_every=0",  # the signal's checkpoint is the only one
+        "trainer.checkpoint_every=0",  # the signals' checkpoints are the only ones
         "eval.every=3",
         "trainer.total_steps=8",
         "logger.progress=false",
@@ -196,37 +222,61 @@ def test_sigterm_checkpoints_the_step_reached_and_the_printed_command_finishes_t
 
     run_dir = tmp_path / "outputs/quickstart/signalled"
     process = launch([*common, "trainer.run_name=signalled"], tmp_path)
-    wait_for_records(process, run_dir, 2)
-    signalled = time.perf_counter()
-    process.send_signal(signal.SIGTERM)  # the driver alone, as Kubernetes signals a container's first process
-    _, stderr = process.communicate(timeout=120)
-    assert time.perf_counter() - signalled < 30  # within SLURM's default grace
-    assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
-    line = next(line for line in stderr.splitlines() if "interrupted by SIGTERM at step" in line)
-    step = int(line.split("at step ")[1].split(":")[0])
-    assert 2 <= step < 8 and (run_dir / f"checkpoints/step_{step}/controller.json").exists()
-    assert [r["step"] for r in metrics(run_dir)] == list(range(step))  # the steps run, each once
+    first_stop, command = stop_with_sigterm(process, run_dir, 2, whole_group=True)
+    assert 2 <= first_stop < 6
 
-    command = shlex.split(line.split("resume with: ")[1])
+    command = shlex.split(command)
     assert command[0] == "logra-train" and command[-1] == "trainer.run_name=signalled"
+    process = launch(command[1:], tmp_path)
+    second_stop, _ = stop_with_sigterm(process, run_dir, first_stop + 1, whole_group=False)
+    assert first_stop < second_stop < 8
     result = subprocess.run([LOGRA_TRAIN, *command[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resumed from {run_dir / f'checkpoints/step_{step}'}" in result.stdout
+    assert f"resumed from {run_dir / f'checkpoints/step_{second_stop}'}" in result.stdout
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(9))  # 8 steps + the final eval, each once
     assert [stable(r) for r in resumed] == [stable(r) for r in straight]
 
+    damaged = tmp_path / "outputs/quickstart/damaged"
+    shutil.copytree(run_dir, damaged)
+    for shard in (damaged / "checkpoints").glob("step_*/model/*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    before = tree_bytes(damaged)
+    started = time.perf_counter()
+    result = logra_train(*common, "trainer.run_name=damaged", cwd=tmp_path)
+    assert result.returncode != 0 and time.perf_counter() - started < 15 and "Traceback" not in result.stderr
+    assert "holds a run that cannot be resumed" in result.stderr and "trainer.resume=never" in result.stderr
+    assert "is damaged (model/__0_0.distcp is 100 of" in result.stderr
+    assert tree_bytes(damaged) == before  # nothing was changed
 
-def test_a_second_interrupt_exits_at_once_without_a_traceback(tmp_path, quickstart_model):
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def test_a_second_run_under_the_same_name_is_refused_and_a_second_interrupt_exits_at_once(tmp_path, quickstart_model):
+    """A job resubmitted while it runs is refused in seconds, naming the run that holds the directory, which runs
+    on (each step recorded once); then Ctrl-C twice exits at once without a traceback."""
     common = ["model=hf", f"model.path={quickstart_model}", "logra=quickstart", "trainer.total_steps=1000"]
+    run_dir = tmp_path / "outputs/quickstart/twice"
     process = launch([*common, "trainer.run_name=twice", "logger.progress=false"], tmp_path)
-    wait_for_records(process, tmp_path / "outputs/quickstart/twice", 1)
+    wait_for_records(process, run_dir, 1)
+    started = time.perf_counter()
+    second = logra_train(*common, "trainer.run_name=twice", cwd=tmp_path)
+    assert time.perf_counter() - started < 30 and second.returncode != 0  # 6 s on an idle machine
+    assert f"is in use by another run (pid {process.pid} on" in second.stderr and "Traceback" not in second.stderr
+    assert process.poll() is None  # the first runs on
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps == list(range(len(steps))) and len(steps) >= 1  # each step once, in order
     process.send_signal(signal.SIGINT)
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGINT and "Traceback" not in stderr, stderr[-3000:]
-    assert "SIGINT: stopping at the next safe point" in stderr
+    assert "Traceback" not in stderr and "SIGINT: stopping at the next safe point" in stderr, stderr[-3000:]
+    # the second exits at once with the shell's status; unless the first's stop (a checkpoint of the tiny model:
+    # milliseconds) was already done, and only its teardown was left to finish
+    stopped = "interrupted by SIGINT at step" in stderr and "already shutting down" in stderr
+    assert process.returncode == 128 + signal.SIGINT or (stopped and process.returncode == 0), stderr[-3000:]
 
 
 def test_a_signal_during_an_eval_stops_the_run_within_seconds(tmp_path, quickstart_model, monkeypatch):
@@ -257,8 +307,90 @@ def test_a_signal_during_an_eval_stops_the_run_within_seconds(tmp_path, quicksta
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert time.perf_counter() - signalled < 30, stderr[-3000:]  # one answer alone would hang 60 s
-    assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     assert "interrupted by SIGTERM at step 0" in stderr
     run_dir = tmp_path / "outputs/quickstart/eval_signal"
     assert (run_dir / "checkpoints/step_0/controller.json").exists()
     assert not (run_dir / "metrics.jsonl").exists() or metrics(run_dir) == []  # no step was recorded
+
+
+FILL_THE_DISK = """
+set -u
+disk="$1"; shift
+mount -t tmpfs -o size=2m tmpfs "$disk"
+cd "$disk"
+for size in 2m 7m 64m; do
+    mount -o remount,size=$size "$disk"
+    "$@" > "$OUT/stdout_$size" 2> "$OUT/stderr_$size"
+    echo $? > "$OUT/status_$size"
+    (cd "$disk" && find . | sort) > "$OUT/files_$size"
+done
+"""
+
+
+def test_a_disk_that_fills_while_writing_the_base_model_or_a_checkpoint_keeps_nothing_partial(tmp_path):
+    """On a 2 MiB disk the quickstart's base model (3.9 MiB) cannot be written, on 7 MiB its first checkpoint
+    (4 MiB) cannot: each is one line, and leaves no partial model or checkpoint that a later run would trust; on
+    64 MiB the same command runs. A tmpfs in a private mount namespace (`unshare`), so nothing outside sees it."""
+    unshare = shutil.which("unshare")
+    assert unshare, "util-linux's unshare is needed to mount a small tmpfs for this test"
+    namespace = [unshare, "-m"] if os.geteuid() == 0 else [unshare, "-rm"]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = [
+        LOGRA_TRAIN,
+        "trainer.run_name=full",
+        "trainer.total_steps=2",
+        "trainer.checkpoint_every=1",
+        "eval.every=0",
+        "logger.progress=false",
+        "logger.plot=false",
+    ]
+    env = {**os.environ, "OUT": str(tmp_path)}
+    result = subprocess.run(
+        [*namespace, "bash", "-c", FILL_THE_DISK, "fill", str(disk), *command], env=env, timeout=900, text=True
+    )
+    assert result.returncode == 0
+    run = "./outputs/quickstart/full"
+    for size in ("2m", "7m"):
+        stderr = (tmp_path / f"stderr_{size}").read_text()
+        assert (tmp_path / f"status_{size}").read_text().strip() != "0"
+        assert "no space left on the device" in stderr and "Traceback" not in stderr, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1].startswith("logra-train: no space left on the device")
+    files = {size: (tmp_path / f"files_{size}").read_text().split() for size in ("2m", "7m", "64m")}
+    assert not any("base_model" in name or ".tmp" in name for name in files["2m"])  # no half-written model
+    assert f"{run}/base_model/model.safetensors" in files["7m"]  # written whole on the larger disk
+    assert not any("/checkpoints/" in name for name in files["7m"])  # no partial checkpoint, no `latest`
+    assert (tmp_path / "status_64m").read_text().strip() == "0", (tmp_path / "stderr_64m").read_text()[-3000:]
+    assert f"{run}/checkpoints/step_2/controller.json" in files["64m"]
+
+
+def test_bad_inputs_stop_in_one_line_before_ray_and_leave_nothing_behind(tmp_path, quickstart_model):
+    """Each is found before Ray or a worker starts: one line naming the problem and the fix, no traceback, no run
+    directory left behind."""
+    cut_short = tmp_path / "cut_short"
+    shutil.copytree(quickstart_model, cut_short)
+    weights = cut_short / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (tmp_path / "empty.jsonl").write_text("")
+    model = ["model=hf", "logra=quickstart"]
+    files = [*model, f"model.path={quickstart_model}", "data=files"]
+    cases = {
+        "weights cut short": ([*model, f"model.path={cut_short}"], "model.safetensors is cut short ("),
+        "no model": ([*model, f"model.path={tmp_path / 'nowhere'}"], "nowhere: no such directory; set model.path"),
+        "not an integer": (["trainer.seed=abc"], "trainer.seed='abc' is invalid; give an integer"),
+        "no output dir": (["trainer.output_dir=/proc/nope"], "cannot make the run directory under trainer.output_dir"),
+        "no data file": ([*files, f"data.train_files=[{tmp_path / 'gone.jsonl'}]"], "gone.jsonl does not exist"),
+        "empty data file": ([*files, f"data.train_files=[{tmp_path / 'empty.jsonl'}]"], "empty.jsonl has no records"),
+    }
+    for name, (args, message) in cases.items():
+        cwd = tmp_path / name.replace(" ", "_")
+        cwd.mkdir()
+        started = time.perf_counter()
+        result = logra_train(*args, cwd=cwd)
+        seconds = time.perf_counter() - started
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and "Traceback" not in result.stderr, (name, result.stderr[-3000:])
+        assert lines[-1].startswith("logra-train: ") and message in lines[-1], (name, result.stderr[-3000:])
+        assert "Started a local Ray" not in result.stderr + result.stdout and seconds < 15, (name, seconds)
+        assert list(cwd.iterdir()) == [], name  # no run directory, no `outputs/`

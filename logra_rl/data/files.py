@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from logra_rl.data.config import DataConfig
 from logra_rl.data.task import Example, Task, register_task
-from logra_rl.rewards import get_reward_function
+from logra_rl.rewards import get_reward_function, usable_answer
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DEFAULT_REWARD = "math"
@@ -86,7 +86,26 @@ def _read_examples(path: str, config: DataConfig) -> list[Example]:
             "index": index,
         }
         examples.append(Example(messages=messages, answer=str(answer), reward=reward, metadata=metadata))
+    check_answers(examples, path, config.answer_key)
     return examples
+
+
+def check_answers(examples: list[Example], path: str, key: str) -> None:
+    """Refuse a file whose every ground truth is empty, and name the records of one with some: their responses
+    score 0 whatever they say (counted in reward/bad_ground_truths), which trains on nothing. Graders that need
+    no ground truth (reasoning-gym's puzzles with many solutions) are left out."""
+    empty = [i for i, e in enumerate(examples) if not e.answer.strip() and not usable_answer(e.reward, e.answer)]
+    if len(empty) == len(examples):
+        raise ValueError(
+            f"data file {path}: every record's {key!r} is empty, so no response can earn a reward; check "
+            "data.answer_key, or the script that wrote the file"
+        )
+    if empty:
+        rows = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        print(
+            f"[logra] data file {path}: {len(empty)} of {len(examples)} records have an empty {key!r} (records "
+            f"{rows}); their responses score 0 (counted in reward/bad_ground_truths). Fix the data file"
+        )
 
 
 def extra_metadata(record: dict[str, Any], path: str, index: int) -> dict[str, Any]:

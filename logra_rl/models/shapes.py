@@ -84,6 +84,26 @@ GEMMA3_VISION = dict(
 )
 GEMMA3_27B = Shape("Gemma-3-27B", "gemma3-mm", 5376, 21504, 62, 32, 16, 128, 262208, True)
 SHAPES = {"qwen2.5-1.5b": QWEN25_1P5B, "qwen2.5-7b": QWEN25_7B, "gemma3-27b": GEMMA3_27B, "qwen3-0.37b": TRAIN_SHAPE}
+# Hub ids of released models of these shapes: what `logra-plan` plans from a config alone when model.path is one
+# of them and no local directory (logra_rl.models.loading.known_shape); nothing is fetched for a plan.
+HUB_SHAPES = {
+    "Qwen/Qwen2.5-1.5B": QWEN25_1P5B,
+    "Qwen/Qwen2.5-1.5B-Instruct": QWEN25_1P5B,
+    "Qwen/Qwen2.5-Math-1.5B": QWEN25_1P5B,
+    "Qwen/Qwen2.5-7B": QWEN25_7B,
+    "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    "Qwen/Qwen2.5-Math-7B": QWEN25_7B,
+    "google/gemma-3-27b-it": GEMMA3_27B,
+    "google/gemma-3-27b-pt": GEMMA3_27B,
+}
+# The GPU presets (configs/experiment/; their _dense and _lora variants too) and their model. Each is made for one
+# 8×H100-80GB node (4 train + 4 rollout GPUs), which is what `logra-plan` plans them for without CUDA here.
+PRESET_MODELS = {
+    "dapo_math_1p5b": "Qwen/Qwen2.5-Math-1.5B",
+    "dapo_math_7b": "Qwen/Qwen2.5-7B",
+    "reasoning_gym_hard_27b": "google/gemma-3-27b-it",
+}
+PRESET_GPU_GIB = 80.0
 
 
 def write_model(shape: Shape, out: Path, weights: bool, seed: int = 0) -> Path:

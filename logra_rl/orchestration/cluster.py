@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import torch
 from ray.exceptions import RayActorError
@@ -40,7 +42,7 @@ def gpus_needed(config: RunConfig) -> int:
 
 def start_ray(config: RunConfig) -> bool:
     """Join a Ray cluster or start a private one; returns True when this call connected to Ray (ray.init), so
-    the caller's `ray.shutdown()` stops a Ray it started and only disconnects from a cluster it joined.
+    the caller's `stop_ray()` stops a Ray it started and only disconnects from a cluster it joined.
 
     `ray.address` unset joins a cluster already running on this node (`RAY_ADDRESS`, else the last `ray start`),
     as a bare `ray.init()` (verl, OpenRLHF) does; `ray.address=local` starts a private Ray beside it."""
@@ -80,15 +82,22 @@ def start_ray(config: RunConfig) -> bool:
     store_mb = config.ray.object_store_mb
     if store_mb is None and not cuda:
         store_mb = max(MIN_OBJECT_STORE_MB, int(3 * config.sync.bucket_mb))
-    ray.init(
-        address="local",  # a new Ray even where RAY_ADDRESS or a `ray start` cluster would be joined
-        num_cpus=max(os.cpu_count() or 1, cpus),
-        num_gpus=cuda or needed,  # logical GPUs on a CPU machine
-        object_store_memory=store_mb * 2**20 if store_mb else None,
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        log_to_driver=True,
-    )
+    # Ray's processes start with SIGTERM blocked (as Ray blocks SIGINT in them): a SIGTERM sent to every process of
+    # the job (SLURM, `timeout`, `kill -- -PGID`) reaches the driver alone, which checkpoints with the workers still
+    # there. They end with the driver: `stop_ray`, or the kernel's fate-sharing when it is killed.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(
+            address="local",  # a new Ray even where RAY_ADDRESS or a `ray start` cluster would be joined
+            num_cpus=max(os.cpu_count() or 1, cpus),
+            num_gpus=cuda or needed,  # logical GPUs on a CPU machine
+            object_store_memory=store_mb * 2**20 if store_mb else None,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     if config.ray.address == "local":
         print(
             "[logra] started a private Ray for this run (ray.address=local); without it the run joins a Ray cluster "
@@ -96,6 +105,32 @@ def start_ray(config: RunConfig) -> bool:
             flush=True,
         )
     return True
+
+
+def stop_ray() -> None:
+    """`ray.shutdown()`, and the end of a private Ray this driver started (`start_ray`): its processes block
+    SIGTERM, so they are killed, not asked to stop (Ray's polite stop would wait a second on each and leave its
+    agents running); whatever of them outlives the shutdown is killed too. A joined cluster is only left."""
+    node = ray._private.worker._global_node  # the private cluster's processes; None or connect-only when joined
+    processes = ray_processes(node) if node is not None and node.is_head() else []
+    if processes:
+        kill = node.kill_all_processes
+        node.kill_all_processes = lambda **options: kill(**{**options, "allow_graceful": False})
+    ray.shutdown()
+    for process in processes:
+        with suppress(psutil.Error):
+            process.kill()
+
+
+def ray_processes(node: Any) -> list[psutil.Process]:
+    """The processes a Ray node started (GCS, raylet, monitors) and all of theirs (workers, agents)."""
+    found = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            with suppress(psutil.Error):
+                process = psutil.Process(info.process.pid)
+                found += [process, *process.children(recursive=True)]
+    return found
 
 
 def local_cluster() -> str | None:

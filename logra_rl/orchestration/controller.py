@@ -17,24 +17,23 @@ train group's: the step, the prompt sampler, the running baseline and the batche
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 import psutil
-import ray
 import torch
 from rich.console import Console
 
 from logra_rl.config import RunConfig
 from logra_rl.data import Prompt, PromptSampler, load_workload
 from logra_rl.eval.evaluator import Evaluator
-from logra_rl.models.loading import converts_exactly, resolve_model_path, target_shapes
-from logra_rl.orchestration.cluster import GroupLost, start_ray
+from logra_rl.models.loading import check_model_dir, converts_exactly, resolve_model_path, target_shapes
+from logra_rl.orchestration.cluster import GroupLost, start_ray, stop_ray
 from logra_rl.orchestration.memory_plan import check_memory, machine_of
 from logra_rl.orchestration.preemption import Interrupted, Preemption
 from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
@@ -57,6 +56,7 @@ from logra_rl.utils.checkpoint import ROLLOUTS, Checkpoints, first_verified, rea
 from logra_rl.utils.memory import GIB
 from logra_rl.utils.metrics import MetricsLogger
 from logra_rl.utils.plot import plot_run
+from logra_rl.utils.run_dir import full_disk_error
 from logra_rl.utils.seeding import ROLLOUT_STREAM, stream_seed
 from logra_rl.utils.timing import Timer
 
@@ -107,15 +107,14 @@ class Controller:
         machine = machine_of(config)  # before Ray and the data take their share: the plan counts them
         with timer("startup_model"):
             self.model_path = model_path = resolve_model_path(config, self.run_dir)
+            check_model_dir(model_path)  # a missing or cut-short model stops the run before anything reads it
             self.targets = target_shapes(model_path, config.logra)  # checks targets and rank before any actor starts
-        with ThreadPoolExecutor(1) as pool:  # the prompts are read and tokenised while Ray starts
-            loading = pool.submit(load_workload, config.data, model_path)
-            with timer("startup_ray"):
-                if start_ray(config):
-                    stack.callback(ray.shutdown)
-                self.preemption.arm()  # Ray's own SIGTERM handler would end the driver at once
-            with timer("startup_data"):
-                self.workload = loading.result()
+        with timer("startup_data"):  # before Ray: a bad data file stops the run in seconds
+            self.workload = load_workload(config.data, model_path)
+        with timer("startup_ray"):
+            if start_ray(config):
+                stack.callback(stop_ray)
+            self.preemption.arm()  # Ray's own SIGTERM handler would end the driver at once
         self.sampler = PromptSampler(self.workload.train, config.data.seed)
         self.schedule = RolloutSchedule(
             config.algorithm.max_staleness, self.sampler, config.trainer.prompts_per_step, self.generate
@@ -253,8 +252,8 @@ class Controller:
         return state["step"]
 
     def stop(self, state: dict[str, Any]) -> NoReturn:
-        """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit with the
-        signal's status, saying how to resume."""
+        """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit with
+        `trainer.preempted_exit_code`, saying how to resume."""
         step = state["step"]
         latest = self.checkpoints.latest()
         path = latest if latest is not None and latest.name == f"step_{step}" else self.save_checkpoint(state)
@@ -265,7 +264,7 @@ class Controller:
             file=sys.stderr,
             flush=True,
         )
-        raise SystemExit(self.preemption.exit_code)
+        raise SystemExit(self.config.trainer.preempted_exit_code)
 
     def step(self, step: int) -> dict[str, float]:
         timer, started = Timer(), time.monotonic()
@@ -274,8 +273,6 @@ class Controller:
             with timer("rollout"), self.preemption.interruptible():  # nothing has trained: the step runs again
                 self.schedule.launch(step, self.policy_version, last)  # 1. this step's batch, or the one K ahead
                 rollout = self.collect(step)
-            if self.preemption.requested:  # a signal just after the generation: still nothing trained
-                raise Interrupted(self.preemption.name)
             baseline, baseline_value = self.baseline.state_dict(), self.baseline.value
             rewards, reward_metrics, result = self.train_on(rollout, step, timer)  # 2.–6.
             refused = {}
@@ -314,8 +311,10 @@ class Controller:
     def train_on(self, rollout: Rollout, step: int, timer: Timer) -> tuple[torch.Tensor, dict[str, float], StepResult]:
         """Steps 2–6 on a generated batch: rewards, advantages, and the train group's step."""
         prompts, completions = rollout.prompts, rollout.completions
-        with timer("reward"):
+        with timer("reward"), self.preemption.interruptible():  # a signal to the job ends the grading processes
             rewards, reward_metrics = self.grader.grade(prompts, completions)  # 2. rewards
+        if self.preemption.requested:  # whatever they scored since is not a reward; nothing has trained
+            raise Interrupted(self.preemption.name)
         advantages = self.advantages(rewards, completions)  # 2. advantages
         batch = pack_batch(completions, advantages, self.workload.pad_id)
         with timer("train"):
@@ -403,10 +402,17 @@ class Controller:
         """The train group's state (weights, optimizer, policy version) and the driver's `state`, committed
         together (the batches in flight as tensors beside controller.json)."""
         path = self.checkpoints.begin(state["step"])
-        self.train.save(str(path))
         rollouts = state["rollouts"]
-        if rollouts:
-            torch.save(pack_rollouts(rollouts), path / ROLLOUTS)
+        try:
+            self.train.save(str(path))
+            if rollouts:
+                torch.save(pack_rollouts(rollouts), path / ROLLOUTS)
+        except Exception as error:
+            full = full_disk_error(error, path.with_suffix(""))  # the write's own error may not say so
+            shutil.rmtree(path, ignore_errors=True)  # the partial checkpoint: its space back
+            if full is None:
+                raise
+            raise full from error
         saved = {key: value for key, value in state.items() if key != "rollouts"} | {"rollouts": len(rollouts)}
         path = self.checkpoints.commit(state["step"], saved)
         self.committed.append(path)

@@ -1,13 +1,14 @@
-"""SIGTERM and SIGINT as a request to stop: what SLURM, Kubernetes and Ctrl-C send before they kill a job.
+"""SIGTERM and SIGINT as a request to stop: what SLURM, Kubernetes, `timeout` and Ctrl-C send before they kill a job.
 
-The first signal is only noted; the step loop looks at it at its safe points (a step's start, and after the
-step's generation, before anything trains) and stops there with a checkpoint of the step it reached. Inside
-`interruptible()` (an eval, a step's generation: work that changes no state a checkpoint holds) the first signal
-also raises `Interrupted` at once, so a slow eval cannot outlast a preemption's grace period. A second
-signal exits at once, unless the run is already shutting down (Ray and the workers): then that shutdown is the
-quickest way out, and an exit raised inside it (often inside a finalizer) would only print a traceback and leave
-processes behind. No signal ever prints a traceback.
-"""
+The first signal is only noted; the step loop stops at its next safe point with a checkpoint of the step it
+reached and exits with `trainer.preempted_exit_code` (0). Inside `interruptible()` (an eval, a step's
+generation, its grading: work that changes no state a checkpoint holds) the first signal raises `Interrupted` at
+once, so a slow eval cannot outlast a preemption's grace period; once a step trains it runs to its end. The signal
+may reach every process of the job (SLURM signals them all): Ray's processes block SIGTERM
+(`cluster.start_ray`), so the workers are still there to write the checkpoint; grading processes are not, which is
+why grading is interruptible. A second signal exits at once, unless the run is already shutting down (Ray and the
+workers): then that shutdown is the quickest way out, and an exit raised inside it (often inside a finalizer) would
+only print a traceback and leave processes behind. No signal ever prints a traceback."""
 
 from __future__ import annotations
 
@@ -82,17 +83,12 @@ class Preemption:
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
 
-    @property
-    def exit_code(self) -> int:
-        """The shell's convention for a process ended by a signal: 128 + its number (SIGTERM 143, SIGINT 130)."""
-        return 128 + (self.signal or 0)
-
     def _handle(self, number: int, frame: FrameType | None) -> None:
         if self.signal is not None and self.shutting_down:
             os.write(sys.stderr.fileno(), b"\n[logra-train] already shutting down Ray and the workers\n")
             return
-        if self.signal is not None:
-            raise SystemExit(128 + number)  # the second signal: leave now (the run's teardown still runs)
+        if self.signal is not None:  # the second signal: leave now (the teardown still runs), with the shell's
+            raise SystemExit(128 + number)  # status for a process a signal ended (SIGTERM 143, SIGINT 130)
         self.signal = number
         message = (
             f"\n[logra-train] {signal.Signals(number).name}: stopping at the next safe point with a checkpoint "

@@ -14,6 +14,7 @@ from logra_rl.rewards.graders import (
     reasoning_gym_reward,
     register_reward,
     strip_end_of_text,
+    usable_answer,
 )
 from logra_rl.rewards.math import math_reward, math_verify_reward
 from logra_rl.rewards.pool import GradeRequest, GradeResult, RewardPool, grade_one, grader_metrics
@@ -35,4 +36,5 @@ __all__ = [
     "reasoning_gym_reward",
     "register_reward",
     "strip_end_of_text",
+    "usable_answer",
 ]

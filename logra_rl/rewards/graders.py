@@ -3,7 +3,9 @@
 A name is either registered (`exact_match` and `reasoning_gym` here, `math` and its alias `math_verify` in
 logra_rl.rewards.math, or your own via `register_reward`) or an import path `package.module:function`, so a
 custom grader also resolves inside a fresh grading process. A grader that gives up on an item at its own
-time limit raises GraderTimeout: the pool scores it 0 and counts it as a timeout.
+time limit raises GraderTimeout: the pool scores it 0 and counts it as a timeout. A registered grader that
+grades against the answer text names the answers it can use (`answer_check`), so a blank or unreadable ground
+truth is counted (`reward/bad_ground_truths`) instead of silently scoring every response to it 0.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
 
 _REWARDS: dict[str, RewardFunction] = {}
+_ANSWER_CHECKS: dict[str, Callable[[str], bool]] = {}  # reward name -> whether it can grade against an answer
 # Tokens a decoder may leave at the end of a response when it is not told to skip special tokens.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 END_OF_TEXT_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
@@ -26,16 +29,33 @@ class GraderTimeout(Exception):
     """A grader stopped itself at its time limit (the item scores 0 and counts in `reward/grader_timeouts`)."""
 
 
-def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
-    """Decorator: make `fn` available as `name` (in a config's `reward` field)."""
+def register_reward(
+    name: str, answer_check: Callable[[str], bool] | None = None
+) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator: make `fn` available as `name` (in a config's `reward` field). `answer_check(answer)` says
+    whether `fn` can grade against a ground truth (none: a grader that verifies without one, as reasoning-gym's
+    scorers of puzzles with many solutions do)."""
 
     def decorator(fn: RewardFunction) -> RewardFunction:
         if name in _REWARDS:
             raise ValueError(f"reward {name!r} is already registered (by {_REWARDS[name].__module__})")
         _REWARDS[name] = fn
+        if answer_check is not None:
+            _ANSWER_CHECKS[name] = answer_check
         return fn
 
     return decorator
+
+
+def usable_answer(reward: str, answer: str) -> bool:
+    """Whether the grader `reward` can grade against the ground truth `answer` (its `answer_check`; True for
+    graders without one). Against one it cannot use, a response scores 0 whatever it says."""
+    check = _ANSWER_CHECKS.get(reward)
+    return check is None or check(answer)
+
+
+def not_blank(answer: str) -> bool:
+    return bool(answer.strip())
 
 
 def get_reward_function(name: str) -> RewardFunction:
@@ -95,7 +115,7 @@ def last_boxed(text: str, command: str = "\\boxed") -> str | None:
     return None
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", answer_check=not_blank)
 def exact_match_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the stripped response (after any thinking) is exactly the stripped answer."""
     return float(final_text(response, metadata.get("grade_thinking", False)) == answer.strip())

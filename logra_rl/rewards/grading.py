@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from logra_rl.rewards.graders import usable_answer
 from logra_rl.rewards.pool import GradeRequest, RewardPool, grader_metrics
 
 if TYPE_CHECKING:
-    from logra_rl.data import Prompt
+    from logra_rl.data import Example, Prompt
     from logra_rl.rollout import Completion
+
+logger = logging.getLogger(__name__)
 
 
 class CompletionGrader:
     def __init__(self, pool: RewardPool, tokenizer: Any) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
+        self.checked: dict[tuple[str, str], bool] = {}  # (reward, ground truth) -> usable: parsed once per run
+        self.warned = False
 
     def response(self, completion: Completion) -> str:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
     def grade(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> tuple[torch.Tensor, dict]:
         """Rewards (float64, one per completion; `len(completions) / len(prompts)` per prompt, consecutive)
-        and the grader metrics (timeouts, errors)."""
+        and the grader metrics (timeouts, errors, responses to a ground truth their grader cannot use)."""
         n = len(completions) // len(prompts)
         requests = [
             GradeRequest(
@@ -37,4 +43,32 @@ class CompletionGrader:
         ]
         results = self.pool.grade(requests)
         rewards = torch.tensor([r.reward for r in results], dtype=torch.float64)
-        return rewards, grader_metrics(results)
+        bad = [p.example for p in prompts if not self.usable(p.example)]
+        if bad and not self.warned:
+            self.warned = True
+            self.warn(bad[0], len(bad), len(prompts))
+        return rewards, {**grader_metrics(results), "reward/bad_ground_truths": float(n * len(bad))}
+
+    def usable(self, example: Example) -> bool:
+        key = (example.reward, example.answer)
+        if key not in self.checked:
+            self.checked[key] = usable_answer(*key)
+        return self.checked[key]
+
+    @staticmethod
+    def warn(example: Example, bad: int, prompts: int) -> None:
+        """One line, once per run: a data problem, not the policy's, that would otherwise train at reward 0."""
+        metadata = example.metadata
+        where = metadata.get("file") or metadata.get("data_source") or "the data"
+        if "index" in metadata:
+            where += f", record {metadata['index']}"
+        logger.warning(
+            "the %r reward cannot grade against the ground truth %.80r (%s): blank, or nothing it can parse, so its "
+            "responses score 0 (unless identical to it); %d of this step's %d prompts have such a ground truth, "
+            "their responses counted in reward/bad_ground_truths (warned once). Fix the data file",
+            example.reward,
+            example.answer,
+            where,
+            bad,
+            prompts,
+        )

@@ -128,7 +128,14 @@ def grade(
     return float(_grade_bounded(response, ground_truth, timeout_s, grade_thinking) is True)
 
 
-@register_reward("math")
+def gold_parses(gold: str) -> bool:
+    """Whether `math` can grade against the reference answer `gold`: it is a plain number, or math-verify reads
+    maths in it (else it is blank, or text only a response identical to it matches)."""
+    gold = gold.strip()
+    return bool(gold) and (_number(gold) is not None or not all(isinstance(p, str) for p in _parse_gold(gold)))
+
+
+@register_reward("math", answer_check=gold_parses)
 def math_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """`grade` as a reward; a timeout raises GraderTimeout so the pool counts it in `reward/grader_timeouts`."""
     verdict = _grade_bounded(response, answer, DEFAULT_TIMEOUT_S, bool(metadata.get("grade_thinking", False)))
@@ -137,7 +144,8 @@ def math_reward(response: str, answer: str, metadata: Mapping[str, Any]) -> floa
     return float(verdict)
 
 
-math_verify_reward = register_reward("math_verify")(math_reward)  # the original name, kept for configs using it
+# the original name, kept for configs using it
+math_verify_reward = register_reward("math_verify", answer_check=gold_parses)(math_reward)
 
 
 def _grade_bounded(response: str, ground_truth: str, timeout_s: float, grade_thinking: bool) -> bool | None:
@@ -230,10 +238,8 @@ def _latex(answer: str) -> str:
 
 @lru_cache(maxsize=4096)
 def _parse_gold(gold: str) -> list:
-    parsed = parse(_latex(gold), parsing_timeout=None)
-    if all(isinstance(p, str) for p in parsed):  # math-verify returns the raw text when it cannot parse
-        logger.warning("math-verify cannot parse the reference answer %r; only identical text scores 1", gold)
-    return parsed
+    """math-verify's parse of a reference answer: the raw text alone when it reads nothing (`gold_parses`)."""
+    return parse(_latex(gold), parsing_timeout=None)
 
 
 def _number(text: str) -> Fraction | None:

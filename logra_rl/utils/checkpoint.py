@@ -36,6 +36,7 @@ RESUME_MAY_CHANGE = (
     "trainer.grader_workers",
     "trainer.grader_timeout_s",
     "trainer.max_restarts",
+    "trainer.preempted_exit_code",
     "trainer.step_timeout_s",
     "rollout.max_restarts",
     "rollout.call_timeout_s",
@@ -84,7 +85,7 @@ class Checkpoints:
         pointer = self.root / "latest.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, self.root / "latest")
-        for old in self._complete()[: -self.keep]:
+        for old in self.committed()[: -self.keep]:
             shutil.rmtree(old)
         return final
 
@@ -102,11 +103,11 @@ class Checkpoints:
         latest = self.latest()
         if latest is None:
             return None, []
-        complete = self._complete()
+        complete = self.committed()
         line = complete[: complete.index(latest) + 1] if latest in complete else [latest]
         return first_verified(reversed(line))
 
-    def _complete(self) -> list[Path]:
+    def committed(self) -> list[Path]:
         """Committed checkpoints, oldest commit first (the controller state is written last)."""
         steps = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
         return sorted(steps, key=lambda p: (_committed_at(p), p.name))

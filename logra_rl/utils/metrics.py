@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from logra_rl.utils.run_dir import write_atomic
+
 if TYPE_CHECKING:  # the config pulls in torch, which `logra-plot` (reading metric names from here) does not need
     from logra_rl.config import LoggerConfig
 
@@ -113,7 +115,7 @@ class MetricsLogger:
         if not self.path.exists():
             return
         kept = [json.loads(line) for line in self.path.read_text().splitlines() if _step_of(line) < step]
-        self.path.write_text("".join(json.dumps(current_names(record)) + "\n" for record in kept))
+        write_atomic(self.path, "".join(json.dumps(current_names(record)) + "\n" for record in kept))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

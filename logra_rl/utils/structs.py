@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -68,7 +70,29 @@ def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str) ->
     if unknown:
         valid = sorted(prefix + k for k in known)
         raise ValueError(f"config: unknown key(s) {[prefix + k for k in unknown]}; valid keys are {valid}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        check_type(prefix + key, value, hints[key])
     return cls(**values)
+
+
+SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_type(key: str, value: Any, hint: Any) -> None:
+    """A scalar field's value has its type (`trainer.seed=abc` names the key before anything reads it); an int is
+    a float, a bool is not an int; `X | None` also takes null. Other types are left to the dataclass' checks."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    scalars = [option for option in options if option in SCALARS]
+    if not scalars or (value is None and type(None) in options):
+        return
+    for option in scalars:
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if isinstance(value, option) and (option is bool or not isinstance(value, bool)):
+            return
+    wanted = " or ".join(SCALARS[option] for option in scalars) + (" or null" if type(None) in options else "")
+    raise ValueError(f"config: {key}={value!r} is invalid; give {wanted}")
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -4,7 +4,7 @@ LoRA, what fits and with what margin, and what the tail residual buys in vLLM's 
     .venv/bin/python scripts/tools/plan_presets.py [--gpu-gib 80] [--host-gib 1800] [--out FILE]
 
 Runs anywhere (no GPU): the models are their configs alone (logra_rl/models/shapes.py), planned as `logra-plan
-+experiment=NAME model.path=DIR cluster.device=cuda cluster.gpu_memory_gib=80` would. Prints markdown tables.
++experiment=NAME` plans them without CUDA (cluster.device=cuda cluster.gpu_memory_gib=80). Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from hydra import compose, initialize_config_module
 from logra_rl.config import RunConfig
 from logra_rl.logra.merge import residual_bytes
 from logra_rl.models.footprint import model_footprint
-from logra_rl.models.shapes import GEMMA3_27B, QWEN25_1P5B, QWEN25_7B, write_model
+from logra_rl.models.shapes import HUB_SHAPES, PRESET_MODELS, write_model
 from logra_rl.orchestration.memory_plan import CUDA_CONTEXT_GIB, Machine, plan_memory, with_changes
 from logra_rl.rollout.vllm_engine import VLLM_ACTIVATION_GIB
 from logra_rl.train.optimizers import UPDATE_RULES
 from logra_rl.utils.memory import GIB
 
-PRESETS = {"dapo_math_1p5b": QWEN25_1P5B, "dapo_math_7b": QWEN25_7B, "reasoning_gym_hard_27b": GEMMA3_27B}
+PRESETS = {preset: HUB_SHAPES[model] for preset, model in PRESET_MODELS.items()}
 
 
 def preset_config(name: str, model_dir: Path) -> RunConfig:

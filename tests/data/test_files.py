@@ -122,3 +122,24 @@ def test_a_prepared_files_extra_info_sets_reward_and_grader_metadata(tmp_path):
     bad = [{**VERL_RECORDS[0], "extra_info": {"metadata": "[1, 2]"}}]
     with pytest.raises(ValueError, match=r"extra_info\.metadata must be a JSON object string"):
         load_task(_files_config(train_files=[_write_jsonl(tmp_path / "bad2.jsonl", bad)]))
+
+
+def test_empty_answers_are_named_in_one_line_and_a_file_of_only_empty_ones_is_refused(tmp_path, capsys):
+    records = [{**r, "reward_model": {"ground_truth": " "}} if i in (3, 7) else r for i, r in enumerate(VERL_RECORDS)]
+    path = _write_jsonl(tmp_path / "some_empty.jsonl", records)
+    task = load_task(_files_config(train_files=[path]))
+    assert len(task.train) == 10  # kept: their responses are counted in reward/bad_ground_truths
+    [line] = capsys.readouterr().out.splitlines()
+    assert line == (
+        f"[logra] data file {path}: 2 of 10 records have an empty 'reward_model.ground_truth' (records 3, 7); "
+        "their responses score 0 (counted in reward/bad_ground_truths). Fix the data file"
+    )
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [{"prompt": f"q{i}", "answer": ""} for i in range(3)])
+    with pytest.raises(ValueError, match=rf"^data file {empty}: every record's 'answer' is empty"):
+        load_task(_files_config(train_files=[empty], answer_key="answer"))
+
+
+def test_empty_answers_of_graders_that_need_none_pass_quietly(tmp_path, capsys):
+    records = [{"prompt": "solve the cube", "answer": "", "extra_info": {"reward": "reasoning_gym"}}]
+    load_task(_files_config(train_files=[_write_jsonl(tmp_path / "cube.jsonl", records)], answer_key="answer"))
+    assert capsys.readouterr().out == ""

@@ -66,7 +66,7 @@ def test_a_sigterm_then_resume_gives_the_uninterrupted_records(tmp_path, quickst
     wait_for_records(process, run_dir, 3)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert process.returncode == 0, stderr[-3000:]  # a clean stop: trainer.preempted_exit_code
     line = next(line for line in stderr.splitlines() if "interrupted by SIGTERM at step" in line)
     step = int(line.split("at step ")[1].split(":")[0])
     assert 3 <= step < 8 and (run_dir / f"checkpoints/step_{step}/rollouts.pt").exists()

@@ -27,6 +27,7 @@ from logra_rl.orchestration.cluster import (
     probe_cuda,
     split_cores,
     start_ray,
+    stop_ray,
 )
 from logra_rl.rollout.vllm_engine import engine_cache_root
 
@@ -59,7 +60,7 @@ def test_four_plus_four_placement_on_logical_gpus():
         train.kill()
         rollout.kill()
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def test_a_local_ray_without_cuda_gets_an_object_store_of_three_resync_buckets():
@@ -69,14 +70,14 @@ def test_a_local_ray_without_cuda_gets_an_object_store_of_three_resync_buckets()
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(300 * 2**20, rel=0.01)
     finally:
-        ray.shutdown()
+        stop_ray()
     assert start_ray(RunConfig(ray=RayConfig(object_store_mb=100)))
     try:
         assert ray.cluster_resources()["object_store_memory"] == pytest.approx(100 * 2**20, rel=0.01)
         array = np.arange(40 * 2**20, dtype=np.float32)  # 160 MB
         assert np.array_equal(ray.get(ray.put(array)), array)
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 class Threads:
@@ -110,7 +111,7 @@ def test_a_group_in_its_phase_gets_the_nodes_cores():
             assert counts == [(expected, str(expected), "false", str(i)) for i in range(count)]
             group.kill()
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def test_pinned_cores_split_in_proportion_to_each_groups_gpus():
@@ -209,7 +210,7 @@ def test_pinned_groups_run_on_their_own_cores(capsys):
         with pytest.raises(ValueError, match="the shared group has 2 actors but 1 core assignments"):
             WorkerGroup(Cores, 2, "shared", cpus=1, gpus=1, arguments=lambda i: {"index": i}, cores=[train])
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def free_port() -> int:
@@ -268,7 +269,7 @@ def test_a_ray_cluster_running_on_this_node_is_joined_and_left_running(tmp_path,
                 assert len(gpu_ids) == 1 and visible == str(gpu_ids[0])
                 group.kill()
             finally:
-                ray.shutdown()  # what the controller does with start_ray's True
+                stop_ray()  # what the controller does with start_ray's True (a joined cluster is only left)
             out = capsys.readouterr().out
             assert f"joined the Ray cluster running on this node at {address}" in out and "ray.address=local" in out
             assert head.poll() is None  # the cluster runs on
@@ -282,7 +283,7 @@ def test_a_ray_cluster_running_on_this_node_is_joined_and_left_running(tmp_path,
             try:
                 assert gcs_address() != address
             finally:
-                ray.shutdown()
+                stop_ray()
             assert "started a private Ray for this run (ray.address=local)" in capsys.readouterr().out
             assert head.poll() is None
 
@@ -291,7 +292,7 @@ def test_a_ray_cluster_running_on_this_node_is_joined_and_left_running(tmp_path,
         try:
             assert gcs_address() != address  # a private Ray
         finally:
-            ray.shutdown()
+            stop_ray()
     finally:
         shutil.rmtree(temp, ignore_errors=True)
 

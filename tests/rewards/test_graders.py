@@ -12,6 +12,7 @@ from logra_rl.rewards import (
     reasoning_gym_reward,
     register_reward,
     strip_end_of_text,
+    usable_answer,
 )
 
 ONE_DECIMAL_PLACE = {"min_num_decimal_places": 1, "max_num_decimal_places": 1}
@@ -118,3 +119,11 @@ def test_data_grade_thinking_reaches_every_example():
     assert all("grade_thinking" not in e.metadata for e in load_task(DataConfig(task="quickstart")).train)
     with pytest.raises(ValueError, match=r"data\.grade_thinking"):
         DataConfig(grade_thinking="yes")
+
+
+def test_usable_answer_is_each_graders_own_check_of_a_ground_truth():
+    assert usable_answer("math", " 42 ") and usable_answer("math_verify", r"\frac{1}{2}")
+    assert not usable_answer("math", " ") and not usable_answer("math", "???")  # math-verify reads nothing in it
+    assert usable_answer("exact_match", "yes") and not usable_answer("exact_match", "\n")
+    assert usable_answer("reasoning_gym", "")  # its scorers verify puzzles with many solutions without one
+    assert usable_answer(f"{__name__}:_unit_reward", "")  # a grader of your own checks what it needs itself

@@ -1,4 +1,3 @@
-import logging
 import multiprocessing
 import os
 import signal
@@ -10,7 +9,7 @@ import pytest
 
 from logra_rl.rewards import GradeRequest, GraderTimeout, RewardPool, math_reward
 from logra_rl.rewards import math as math_grader
-from logra_rl.rewards.math import grade
+from logra_rl.rewards.math import gold_parses, grade
 
 TIMEOUT_S = 1.0
 TOWER = r"\boxed{2^{2^{2^{2^{2^2}}}}}"  # sympy would evaluate this far beyond any timeout
@@ -125,11 +124,11 @@ def test_latex_parsing_is_two_stage_and_falls_back_to_full_ll():
         assert str(latex2sympy2.latex2sympy(latex)) == expected
 
 
-def test_an_unparseable_reference_answer_only_matches_itself_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="logra_rl.rewards.math"):
-        assert grade(r"\boxed{1}", ")(") == 0.0
-        assert grade(r"\boxed{)(}", ")(") == 1.0
-    assert "cannot parse the reference answer" in caplog.text
+def test_an_unparseable_reference_answer_only_matches_itself_and_is_not_usable():
+    assert grade(r"\boxed{1}", ")(") == 0.0
+    assert grade(r"\boxed{)(}", ")(") == 1.0
+    assert not gold_parses(")(") and not gold_parses(" ")  # counted in reward/bad_ground_truths (test_grading)
+    assert gold_parses("12") and gold_parses(r"\frac{1}{2}") and gold_parses("[1, 2)")
 
 
 def test_pathological_answers_time_out_on_the_main_thread_and_restore_the_callers_alarm():

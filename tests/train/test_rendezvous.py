@@ -6,7 +6,7 @@ import socket
 import ray
 
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.cluster import start_ray
+from logra_rl.orchestration.cluster import start_ray, stop_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from tests.orchestration.test_controller import run_config
 from tests.tiny_models import tiny_qwen3
@@ -31,6 +31,6 @@ def test_the_published_port_cannot_be_taken_before_the_group_forms(tmp_path):
     finally:
         group.shutdown()
         if owns_ray:
-            ray.shutdown()
+            stop_ray()
     assert not taken
     assert versions == [0, 0]  # both ranks formed the group on the published port

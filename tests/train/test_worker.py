@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.cluster import start_ray
+from logra_rl.orchestration.cluster import start_ray, stop_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
 from logra_rl.rollout.resync import bucket_tensors
@@ -52,7 +52,7 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     finally:
         group.shutdown()
         if owns_ray:
-            ray.shutdown()
+            stop_ray()
 
     expected = reference.state_dict()
     assert sorted(state) == sorted(expected)
@@ -100,7 +100,7 @@ def set_up_group(config: RunConfig, path: Path) -> Iterator[TrainGroup]:
     finally:
         group.shutdown()
         if owns_ray:
-            ray.shutdown()
+            stop_ray()
 
 
 def test_a_dense_step_under_fsdp2_reports_the_kl_between_the_models_before_and_after(tmp_path):
