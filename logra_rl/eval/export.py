@@ -136,6 +136,8 @@ def export_checkpoint(
     with staged_dir(out) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        for file in staging.iterdir():  # safetensors writes its file owner-only: a server run by another user
+            file.chmod(0o644)  # (`vllm serve`) must read it
     return out
 
 

@@ -48,6 +48,7 @@ def test_the_export_holds_the_trainers_weights_and_loads_with_its_chat_template(
     assert result.stdout.count("\n") == 1 and str(out) in result.stdout and "step 2" in result.stdout
     assert "bfloat16" in result.stdout and f"vllm serve {out}" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "state.pt"]  # no temporary directory left
+    assert all(file.stat().st_mode & 0o044 == 0o044 for file in out.iterdir())  # readable by a server's user
 
     weights = load_file(out / "model.safetensors")
     assert weights.keys() == state.keys()
