@@ -36,3 +36,13 @@ def smollm2_model():
     from logra_rl.models.smollm2 import fetch_smollm2
 
     return str(fetch_smollm2())
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, quickstart_model) -> list[dict]:
+    """The records of `tests.runs.short_job` (checkpoints every 3 steps) run to its end without a fault: what the
+    fault, signal and resume tests compare against, run once per session."""
+    from tests.runs import run_to_the_end, short_job
+
+    args = short_job(quickstart_model, checkpoint_every=3)
+    return run_to_the_end(args, tmp_path_factory.mktemp("straight"), "straight")
