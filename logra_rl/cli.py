@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
     from logra_rl.config import RunConfig
+    from logra_rl.utils.run_dir import RunLock
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -85,57 +86,78 @@ def check_overrides(arguments: list[str]) -> str | None:
 
 def _run_setup(
     cfg: DictConfig, program: str, check: Callable[[DictConfig], str | None] | None = None
-) -> tuple[RunConfig, Path, dict]:
+) -> tuple[RunConfig, Path, dict, bool]:
     """The validated config (one line and exit on a bad value or a `check` problem, leaving no run directory
-    behind), the run directory, the resolved mapping."""
+    behind), the run directory, the resolved mapping, and whether the directory is fresh (it held nothing but
+    Hydra's empty log: a run rejected at start-up removes it again)."""
     from logra_rl.config import RunConfig, migrate_keys
-    from logra_rl.utils.run_dir import remove_unused
+    from logra_rl.utils.run_dir import only_logs
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    fresh = not run_dir.exists() or only_logs(run_dir)
     try:
         config = RunConfig.from_mapping(cfg)
         problem = check(HydraConfig.get()) if check else None
     except ValueError as error:
         problem = str(error)
     if problem:
-        remove_unused(run_dir, Path(OmegaConf.select(cfg, "trainer.output_dir", default="outputs")))  # Hydra made it
+        if fresh:
+            _discard(run_dir)
         sys.exit(f"{program}: {problem}")
     resolved, notes = migrate_keys(OmegaConf.to_container(cfg, resolve=True))  # old keys in a user's own YAML
     for note in notes:
         print(f"[{program}] {note}")
     resolved["algorithm"]["staleness_kl"] = config.algorithm.staleness_kl  # null resolves to the bound used
     run_dir.mkdir(parents=True, exist_ok=True)
-    return config, run_dir, resolved
+    return config, run_dir, resolved, fresh
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove a rejected run's fresh directory, under its lock (a run that holds it keeps it)."""
+    from logra_rl.utils.run_dir import RunDirInUse, RunLock, may_remove, remove_unused
+
+    if not may_remove(run_dir):
+        return
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except (RunDirInUse, OSError):
+        return
+    try:
+        remove_unused(run_dir, _keep_above or run_dir.parent)
+    finally:
+        lock.release()
 
 
 def _train(cfg: DictConfig) -> None:
     from logra_rl.orchestration.controller import Controller
     from logra_rl.utils.run_dir import write_atomic
 
-    config, run_dir, resolved = _run_setup(cfg, "logra-train", toy_settings_problem)
-    _check_resume(run_dir, resolved, config.trainer.resume)
-    with _run_lock(run_dir, Path(config.trainer.output_dir), "logra-train"):
-        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
-        print(f"[logra-train] experiment {config.experiment_name}, run directory {run_dir}")
-        schedule = lr_schedule_note(config)
-        if schedule:
-            print(f"[logra-train] {schedule}")
-        command = ""
-        if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
-            command = resume_command(sys.argv[1:], config.trainer.run_name)
-            print(
-                f"[logra-train] to resume after an interruption, rerun with trainer.run_name={config.trainer.run_name}"
-            )
+    config, run_dir, resolved, fresh = _run_setup(cfg, "logra-train", toy_settings_problem)
+    with _run_lock(run_dir, fresh, "logra-train") as lock:
+        _check_resume(run_dir, resolved, config.trainer.resume)  # before anything is written
+        lock.announce()
         try:
+            write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(resolved))
+            print(f"[logra-train] experiment {config.experiment_name}, run directory {run_dir}")
+            schedule = lr_schedule_note(config)
+            if schedule:
+                print(f"[logra-train] {schedule}")
+            command = ""
+            if HydraConfig.get().mode == RunMode.RUN:  # a sweep's jobs are resumed by rerunning the sweep
+                command = resume_command(sys.argv[1:], config.trainer.run_name)
+                name = config.trainer.run_name
+                print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={name}")
             Controller(config, run_dir, resolved, resume_command=command).run()
         except Exception as error:
             _exit_with_one_line(error)
 
 
 @contextlib.contextmanager
-def _run_lock(run_dir: Path, output_dir: Path, program: str) -> Iterator[None]:
-    """The run directory's lock for the block (one line and exit when another run holds it); the directory is
-    removed again when the run ends before it recorded anything (a run rejected at start-up)."""
+def _run_lock(run_dir: Path, fresh: bool, program: str) -> Iterator[RunLock]:
+    """The run directory's lock for the block (one line and exit when another run holds it, or the directory
+    cannot be written); a fresh directory is removed again, still under the lock, when the run ends before it
+    recorded anything (a run rejected at start-up)."""
     from logra_rl.utils.run_dir import RunDirInUse, RunLock, remove_unused
 
     lock = RunLock(run_dir, [argument for argument in sys.argv if not argument.startswith("hydra.job.name=")])
@@ -143,11 +165,14 @@ def _run_lock(run_dir: Path, output_dir: Path, program: str) -> Iterator[None]:
         lock.acquire()
     except RunDirInUse as error:
         sys.exit(f"{program}: {error}")
+    except OSError as error:
+        sys.exit(f"{program}: cannot write the run directory {run_dir} ({error.strerror}); set trainer.output_dir")
     try:
-        yield
+        yield lock
     finally:
+        if fresh:
+            remove_unused(run_dir, _keep_above or run_dir.parent)
         lock.release()
-        remove_unused(run_dir, output_dir)
 
 
 def resume_command(arguments: list[str], run_name: str) -> str:
@@ -262,13 +287,14 @@ def _eval(cfg: DictConfig) -> None:
     from logra_rl.orchestration.eval_driver import run_eval
     from logra_rl.utils.run_dir import write_atomic
 
-    config, run_dir, _ = _run_setup(cfg, "logra-eval")
-    with _run_lock(run_dir, Path(config.trainer.output_dir), "logra-eval"):
+    config, run_dir, _, fresh = _run_setup(cfg, "logra-eval")
+    with _run_lock(run_dir, fresh, "logra-eval") as lock:
+        lock.announce()
         try:
             metrics = run_eval(config, run_dir)
+            write_atomic(run_dir / "eval_metrics.json", json.dumps(metrics, indent=2))
         except Exception as error:
             _exit_with_one_line(error, "logra-eval")
-        write_atomic(run_dir / "eval_metrics.json", json.dumps(metrics, indent=2))
     for name, value in sorted(metrics.items()):
         print(f"{name:<50} {value:.4f}")
     print(f"[logra-eval] graded samples: {run_dir / 'eval'}/  metrics: {run_dir / 'eval_metrics.json'}")
@@ -343,12 +369,17 @@ logra-plan +experiment=smollm2 cluster.device=cuda cluster.gpu_memory_gib=80   a
 }
 
 
+def help_header(command: str) -> str:
+    """The `--help` header of `command` (configs/config.yaml reads it by the job's name)."""
+    return HELP.get(command, HELP["logra-train"]) + "\n"
+
+
 def _entry(app, name: str) -> None:
     import transformers
     from omegaconf import OmegaConf
 
     transformers.logging.disable_progress_bar()
-    OmegaConf.register_new_resolver("logra_help", lambda command: HELP.get(command, HELP["logra-train"]) + "\n")
+    OmegaConf.register_new_resolver("logra_help", help_header, replace=True)
     sys.argv[1:], notes = migrate_arguments(sys.argv[1:])
     for note in notes:
         print(f"[{name}] {note}")
@@ -357,9 +388,26 @@ def _entry(app, name: str) -> None:
         problem = problem or output_dir_problem(sys.argv[1:])
     if problem:
         sys.exit(f"{name}: {problem}")
+    global _keep_above
+    key, directory = output_override(sys.argv[1:])
+    if "${" not in directory:
+        output = Path(directory).absolute()
+        _keep_above = output.parent if key == "hydra.run.dir" or not output.exists() else output
     if not any(argument.startswith("hydra.job.name=") for argument in sys.argv[1:]):
         sys.argv.insert(_override_position(sys.argv), f"hydra.job.name={name}")  # names the help and log file
     app()
+
+
+def output_override(arguments: list[str]) -> tuple[str, str]:
+    """The key that places the run directory (`hydra.run.dir` when given, else `trainer.output_dir`) and its value."""
+    values = dict(argument.split("=", 1) for argument in arguments if "=" in argument and not argument.startswith("-"))
+    key = "hydra.run.dir" if "hydra.run.dir" in values else "trainer.output_dir"
+    return key, values.get(key, "outputs")
+
+
+# The directory a rejected run's removals stop below (`_discard`, `_run_lock`): `trainer.output_dir` when it existed
+# before this process, else its parent (Hydra made it for this run); with `hydra.run.dir`, the run directory's parent.
+_keep_above: Path | None = None
 
 
 def output_dir_problem(arguments: list[str]) -> str | None:
@@ -367,9 +415,7 @@ def output_dir_problem(arguments: list[str]) -> str | None:
     read, and would fail with its own traceback), found by making and removing a directory there."""
     import tempfile
 
-    values = dict(argument.split("=", 1) for argument in arguments if "=" in argument and not argument.startswith("-"))
-    key = "hydra.run.dir" if "hydra.run.dir" in values else "trainer.output_dir"
-    directory = values.get(key, "outputs")
+    key, directory = output_override(arguments)
     if "${" in directory:  # an interpolation: Hydra resolves it
         return None
     existing = Path(directory).absolute()

@@ -295,8 +295,8 @@ class TrainerConfig:
     # nothing was tuned on. 0: never
     heldout_every: int = 10
     heldout_responses: int = 4
-    # The exit status of a run stopped by SIGTERM / SIGINT with a checkpoint of the step it reached: 0, a clean
-    # stop; a scheduler that requeues on a code of its own takes that one
+    # The exit status of a run stopped by SIGTERM with a checkpoint of the step it reached: 0, a clean stop; a
+    # scheduler that requeues on a code of its own takes that one (SIGINT, Ctrl-C, exits 130)
     preempted_exit_code: int = 0
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_rl.config import DTYPES, RunConfig
@@ -113,6 +114,8 @@ def export_checkpoint(
         raise FileExistsError(f"{out} is a file; choose another OUT_DIR")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; choose another OUT_DIR, or pass --force to replace it")
+    if out.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
+        raise FileExistsError(f"{out} holds the checkpoint itself (--force would replace it); choose another OUT_DIR")
     run_dir = checkpoint.resolve().parents[1]  # <run>/checkpoints/step_N
     base_model = base_model or run_base_model(run_dir)
     if Path(base_model).is_absolute() and not Path(base_model).exists():  # not a hub id either
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         for line in skipped:
             print(f"logra-export: {line}", file=sys.stderr)
         out = export_checkpoint(checkpoint, args.out, args.dtype, args.base_model, args.force)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, CheckpointException) as error:  # the last, a BaseException: a shard unreadable
         if os.environ.get("LOGRA_TRACEBACK"):
             raise
         sys.exit(f"logra-export: {one_line(error, 2000)}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -185,8 +186,12 @@ class Controller:
                         step += 1
                     except (GroupLost, RolloutLost) as lost:  # rebuild, replay from a checkpoint
                         step = self.recover(lost)
-                if self.config.eval.every and self.start_step < trainer.total_steps:
-                    final = self.weight_sync.retried(lambda: self.evaluator.evaluate(trainer.total_steps))
+                if self.config.eval.every:  # also after a resume at the end: the record was dropped with the rest
+                    try:
+                        with self.preemption.interruptible():  # a signal to the job ends the grading processes
+                            final = self.weight_sync.retried(lambda: self.evaluator.evaluate(trainer.total_steps))
+                    except Interrupted:
+                        self.stop(self.driver_state(trainer.total_steps))
                     self.metrics.log(trainer.total_steps, final)
                 self.finish()
                 return self.metrics.history
@@ -252,8 +257,8 @@ class Controller:
         return state["step"]
 
     def stop(self, state: dict[str, Any]) -> NoReturn:
-        """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit with
-        `trainer.preempted_exit_code`, saying how to resume."""
+        """Checkpoint the step reached (its state as it began: nothing of it has trained) and exit, saying how to
+        resume: with `trainer.preempted_exit_code` on SIGTERM, 128 + the signal otherwise."""
         step = state["step"]
         latest = self.checkpoints.latest()
         path = latest if latest is not None and latest.name == f"step_{step}" else self.save_checkpoint(state)
@@ -264,7 +269,9 @@ class Controller:
             file=sys.stderr,
             flush=True,
         )
-        raise SystemExit(self.config.trainer.preempted_exit_code)
+        # a preemption's SIGTERM is a clean stop; Ctrl-C's SIGINT keeps the shell's 130, so a loop of runs stops too
+        sigterm = self.preemption.signal == signal.SIGTERM
+        raise SystemExit(self.config.trainer.preempted_exit_code if sigterm else 128 + self.preemption.signal)
 
     def step(self, step: int) -> dict[str, float]:
         timer, started = Timer(), time.monotonic()
@@ -408,8 +415,9 @@ class Controller:
             if rollouts:
                 torch.save(pack_rollouts(rollouts), path / ROLLOUTS)
         except Exception as error:
-            full = full_disk_error(error, path.with_suffix(""))  # the write's own error may not say so
-            shutil.rmtree(path, ignore_errors=True)  # the partial checkpoint: its space back
+            # before the partial checkpoint gives its space back: the write's own error may not say it was the disk
+            full = None if isinstance(error, GroupLost) else full_disk_error(error, path.with_suffix(""))
+            shutil.rmtree(path, ignore_errors=True)
             if full is None:
                 raise
             raise full from error

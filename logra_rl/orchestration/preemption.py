@@ -1,7 +1,7 @@
 """SIGTERM and SIGINT as a request to stop: what SLURM, Kubernetes, `timeout` and Ctrl-C send before they kill a job.
 
 The first signal is only noted; the step loop stops at its next safe point with a checkpoint of the step it
-reached and exits with `trainer.preempted_exit_code` (0). Inside `interruptible()` (an eval, a step's
+reached and exits (SIGTERM: `trainer.preempted_exit_code`, 0; SIGINT: 130). Inside `interruptible()` (an eval, a step's
 generation, its grading: work that changes no state a checkpoint holds) the first signal raises `Interrupted` at
 once, so a slow eval cannot outlast a preemption's grace period; once a step trains it runs to its end. The signal
 may reach every process of the job (SLURM signals them all): Ray's processes block SIGTERM

@@ -37,25 +37,32 @@ class RunLock:
         self._file = None
 
     def acquire(self) -> RunLock:
-        """Take the lock or raise `RunDirInUse` naming the holder (pid, host, start, command)."""
-        handle = open(self.path, "a+")  # noqa: SIM115 (held open for the run's life, closed by release)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip()
-            handle.close()
-            raise RunDirInUse(
-                f"{self.path.parent} is in use by another run ({describe_holder(holder)}); wait for it to end or stop "
-                "it, or start this one under another name with trainer.run_name=NAME"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
+        """Take the lock or raise `RunDirInUse` naming the holder (pid, host, start, command). Nothing is written
+        until `announce`: a run that stops before it (a refused resume) leaves the directory as it was."""
+        while True:
+            handle = open(self.path, "a+")  # noqa: SIM115 (held open for the run's life, closed by release)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip()
+                handle.close()
+                raise RunDirInUse(
+                    f"{self.path.parent} is in use by another run ({describe_holder(holder)}); wait for it to end or "
+                    "stop it, or start this one under another name with trainer.run_name=NAME"
+                ) from None
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino:
+                self._file = handle
+                return self
+            handle.close()  # the file was removed (a rejected run's directory) between open and flock: again
+
+    def announce(self) -> None:
+        """Write who holds the lock, for a run it refuses."""
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": self.command}
-        handle.write(json.dumps(holder))
-        handle.flush()
-        self._file = handle
-        return self
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(holder))
+        self._file.flush()
 
     def release(self) -> None:
         if self._file is not None:
@@ -63,7 +70,8 @@ class RunLock:
             self._file = None
 
     def __enter__(self) -> RunLock:
-        return self.acquire()
+        self.acquire().announce()
+        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
@@ -151,22 +159,39 @@ def full_disk_error(error: BaseException, path: Path) -> OSError | None:
 
 # What a run directory holds before its run recorded anything: removed with it when the run is rejected.
 DISPOSABLE = (LOCK, "config.yaml", "base_model")
+TEMPORARY = (".tmp-", ".old-")  # staged artefacts (`staged_dir`, `write_atomic`)
 
 
-def remove_unused(run_dir: Path, output_dir: Path) -> None:
-    """Remove `run_dir` when it holds nothing a run recorded (only DISPOSABLE entries, empty log files — Hydra
-    opens its log before the config is read — and temporary files), then each parent up to `output_dir` that is
-    left empty: a rejected run leaves nothing behind."""
+def only_logs(run_dir: Path) -> bool:
+    """Whether `run_dir` holds nothing but empty log files (Hydra opens its log before the config is read): a
+    directory this run may take for its own, to remove if it is rejected."""
+    return all(entry.suffix == ".log" and entry.is_file() and entry.stat().st_size == 0 for entry in run_dir.iterdir())
+
+
+def may_remove(run_dir: Path) -> bool:
+    """Whether a rejected run may remove `run_dir` at all: not the working directory, one above it, or a link."""
+    path, cwd = Path(run_dir).absolute(), Path.cwd()
+    return path.is_dir() and not path.is_symlink() and path != cwd and path not in cwd.parents
+
+
+def remove_unused(run_dir: Path, keep: Path) -> None:
+    """Remove the run directory of a run rejected before it recorded anything, with the parents it left empty
+    below `keep`: a rejected run leaves nothing behind. Call it only for a directory the run found holding
+    `only_logs`, holding its lock: it removes only DISPOSABLE entries, empty logs and temporary files, and leaves
+    the directory when anything else is there or `may_remove` says no."""
     path = Path(run_dir).absolute()
-    if not path.is_dir():
+    if not may_remove(path):
         return
     for entry in path.iterdir():
         empty_log = entry.suffix == ".log" and entry.is_file() and entry.stat().st_size == 0
-        if not (entry.name in DISPOSABLE or empty_log or ".tmp-" in entry.name):
+        if not (entry.name in DISPOSABLE or empty_log or any(mark in entry.name for mark in TEMPORARY)):
             return
-    shutil.rmtree(path)
-    root = Path(output_dir).absolute()
+    shutil.rmtree(path, ignore_errors=True)
+    keep = Path(keep).absolute()
     for parent in path.parents:
-        if root not in (parent, *parent.parents) or any(parent.iterdir()):
+        if keep not in parent.parents or not may_remove(parent):
             return
-        parent.rmdir()
+        try:
+            parent.rmdir()  # only when empty; another run may be starting there (ENOTEMPTY)
+        except OSError:
+            return

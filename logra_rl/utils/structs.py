@@ -71,9 +71,17 @@ def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str) ->
         valid = sorted(prefix + k for k in known)
         raise ValueError(f"config: unknown key(s) {[prefix + k for k in unknown]}; valid keys are {valid}")
     hints = typing.get_type_hints(cls)
+    values = {key: as_declared(value, hints[key]) for key, value in values.items()}
     for key, value in values.items():
         check_type(prefix + key, value, hints[key])
     return cls(**values)
+
+
+def as_declared(value: Any, hint: Any) -> Any:
+    """A number given for a string field as that string: Hydra reads `trainer.run_name=7` as the int 7."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return str(value) if number and str in options and not ({int, float} & set(options)) else value
 
 
 SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -10,6 +10,7 @@ HOLD_LOCK = """
 import sys, time
 from logra_rl.utils.run_dir import RunLock
 lock = RunLock(sys.argv[1], ["logra-train", "trainer.run_name=first"]).acquire()
+lock.announce()
 print("held", flush=True)
 time.sleep(60)
 """
@@ -59,25 +60,41 @@ def test_a_staged_directory_is_whole_or_absent(tmp_path):
     assert [p.name for p in final.iterdir()] == ["model.safetensors"]
 
 
-def test_a_rejected_runs_directory_goes_with_its_new_parents_but_a_recorded_one_stays(tmp_path):
+def test_a_rejected_runs_directory_goes_with_its_empty_parents_but_never_a_recorded_one_or_the_cwd(
+    tmp_path, monkeypatch
+):
     outputs = tmp_path / "outputs"
     run_dir = outputs / "quickstart/run"
-    run_dir.mkdir(parents=True)
-    for name in (".lock", "config.yaml", "logra-train.log"):
-        (run_dir / name).write_text("" if name.endswith(".log") else "x")
-    (run_dir / "base_model").mkdir()
-    remove_unused(run_dir, outputs)
-    assert list(tmp_path.iterdir()) == []  # outputs/ was left empty: gone too, and nothing above it
 
-    run_dir.mkdir(parents=True)
+    def rejected_run() -> None:
+        run_dir.mkdir(parents=True)
+        for name in (".lock", "config.yaml", "logra-train.log"):
+            (run_dir / name).write_text("" if name.endswith(".log") else "x")
+        (run_dir / "base_model").mkdir()
+
+    rejected_run()
+    remove_unused(run_dir, keep=tmp_path)  # outputs/ was made for this run: it goes when left empty
+    assert list(tmp_path.iterdir()) == []
+    rejected_run()
+    remove_unused(run_dir, keep=outputs)  # outputs/ was there before: it stays
+    assert list(tmp_path.iterdir()) == [outputs] and list(outputs.iterdir()) == []
+
+    rejected_run()
     (outputs / "quickstart/other").mkdir()
-    remove_unused(run_dir, outputs)
+    remove_unused(run_dir, keep=outputs)
     assert [p.name for p in (outputs / "quickstart").iterdir()] == ["other"]  # a parent with another run stays
 
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    remove_unused(run_dir, outputs)
-    assert (run_dir / "metrics.jsonl").exists()
+    remove_unused(run_dir, keep=outputs)
+    assert (run_dir / "metrics.jsonl").exists()  # a run that recorded anything stays
+
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    (cwd / "config.yaml").write_text("x")
+    monkeypatch.chdir(cwd)
+    remove_unused(cwd, keep=tmp_path)  # `hydra.run.dir=.`: never the working directory
+    assert (cwd / "config.yaml").exists()
 
 
 def test_no_space_is_found_however_a_library_wrapped_it():
