@@ -71,17 +71,9 @@ def from_mapping(cls: type[T], values: Mapping[str, Any] | None, prefix: str) ->
         valid = sorted(prefix + k for k in known)
         raise ValueError(f"config: unknown key(s) {[prefix + k for k in unknown]}; valid keys are {valid}")
     hints = typing.get_type_hints(cls)
-    values = {key: as_declared(value, hints[key]) for key, value in values.items()}
     for key, value in values.items():
         check_type(prefix + key, value, hints[key])
     return cls(**values)
-
-
-def as_declared(value: Any, hint: Any) -> Any:
-    """A number given for a string field as that string: Hydra reads `trainer.run_name=7` as the int 7."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return str(value) if number and str in options and not ({int, float} & set(options)) else value
 
 
 SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -89,13 +81,16 @@ SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a 
 
 def check_type(key: str, value: Any, hint: Any) -> None:
     """A scalar field's value has its type (`trainer.seed=abc` names the key before anything reads it); an int is
-    a float, a bool is not an int; `X | None` also takes null. Other types are left to the dataclass' checks."""
+    a float, a number a string, a bool not an int; `X | None` also takes null. Other types are left to the
+    dataclass' checks."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     scalars = [option for option in options if option in SCALARS]
     if not scalars or (value is None and type(None) in options):
         return
     for option in scalars:
-        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+        # an int is a float; a number is a string (Hydra reads `trainer.run_name=7` as 7), which the field's own
+        # check may still refuse
+        if option in (float, str) and isinstance(value, int | float) and not isinstance(value, bool):
             return
         if isinstance(value, option) and (option is bool or not isinstance(value, bool)):
             return
