@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from logra_rl.utils.run_dir import write_atomic
 from logra_rl.utils.structs import flatten
 
 UPDATE_STATE = "update_state.pt"  # the update rule's own state (and the policy version) inside a checkpoint
@@ -82,9 +83,7 @@ class Checkpoints:
         if final.exists():
             shutil.rmtree(final)
         os.replace(temporary, final)
-        pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, self.root / "latest")
+        write_atomic(self.root / "latest", final.name)
         for old in self.committed()[: -self.keep]:
             shutil.rmtree(old)
         return final
