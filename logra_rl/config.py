@@ -3,22 +3,21 @@
 Every key's default is here and only here: `logra_rl.configs` registers `defaults_mapping()` with Hydra as the
 first entry of config.yaml's defaults list, and the YAML files (`configs/`) hold only what differs from it.
 `RunConfig.from_mapping` turns the composed result into these dataclasses, so a misspelt key or a bad value
-fails at start-up with one line naming it. Keys that moved are in RENAMED_KEYS: `migrate_keys` reads a run
-saved under the old names, and `logra-train` rewrites them on its command line.
+fails at start-up with one line naming it. Keys that moved are in `utils.renamed_keys`: `migrate_keys` reads a
+run saved under the old names, and `logra-train` rewrites them on its command line.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from logra_rl.data import DataConfig
 from logra_rl.logra import DEFAULT_TARGET_MODULES, LoGRAConfig
 from logra_rl.logra.merge import RESIDUAL_DTYPES
+from logra_rl.utils.metrics import LoggerConfig
+from logra_rl.utils.renamed_keys import migrate_keys
 from logra_rl.utils.structs import (
     check,
     check_bool,
@@ -34,6 +33,9 @@ from logra_rl.utils.structs import (
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+# optimizer.name's choices, in the order of `train.optimizers.UPDATE_RULES`, which maps each to its update rule (the
+# config sits below the update rules, which import it; tests/train/test_optimizers.py keeps the two equal)
+UPDATE_RULE_NAMES = ("logra", "dense", "lora")
 
 
 @dataclass(frozen=True)
@@ -136,13 +138,11 @@ class OptimizerConfig:
     measure_kl: bool = True
 
     def __post_init__(self) -> None:
-        from logra_rl.train.optimizers import UPDATE_RULES  # here: the update rules import this module
-
         check(
-            self.name in UPDATE_RULES,
+            self.name in UPDATE_RULE_NAMES,
             "optimizer.name",
             self.name,
-            f"use one of {', '.join(f'optimizer={name}' for name in UPDATE_RULES)}",
+            f"use one of {', '.join(f'optimizer={name}' for name in UPDATE_RULE_NAMES)}",
         )
         check_positive_int("optimizer.lora_rank", self.lora_rank)
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -178,9 +178,21 @@ class AlgorithmConfig:
     max_staleness: int = 0
     # the largest behaviour KL (policy that sampled a batch -> policy trained on it, per token) a stale batch
     # may have: past it the batch is sampled again by the current policy before it trains. null: for LoGRA twice
-    # what the updates it is behind may move the policy (max_staleness x epochs x logra.kl.max_overshoot x the
-    # KL budget); dense and LoRA have no KL budget to derive it from: no bound unless set
+    # what the updates it is behind may move the policy (logra.kl.max_overshoot x their budgets, following the
+    # schedule) plus 4x the engines' numerics (the behaviour KL of on-policy batches, first measured at step 0);
+    # dense and LoRA have no KL budget to derive it from: no bound unless set
     staleness_kl: float | None = None
+
+    def check_staleness_bound(self, numerics: float) -> None:
+        """At step 0, whose batch the policy being trained sampled: a `staleness_kl` below twice its behaviour KL
+        (the engines' numerics alone, `numerics`) would refuse most stale batches for the numerics alone."""
+        if self.max_staleness and self.staleness_kl is not None and self.staleness_kl < 2 * numerics:
+            raise ValueError(
+                f"algorithm.staleness_kl={self.staleness_kl:g} is below twice the rollout-vs-trainer KL measured at "
+                f"step 0 ({numerics:.3g} per token, the engines' numerics alone): nearly every stale batch would be "
+                f"refused and generated again; set it to at least {4 * numerics:.3g}, or null (the default follows "
+                "the measured numerics and the KL budget)"
+            )
 
     def __post_init__(self) -> None:
         check(
@@ -260,11 +272,11 @@ class ClusterConfig:
         check_bool("cluster.memory_check", self.memory_check)
         check_bool("cluster.pin_cores", self.pin_cores)
         check(
-            not self.pin_cores or self.device == "cpu",
+            not self.pin_cores or self.device in ("cpu", "auto"),
             "cluster.pin_cores",
             self.pin_cores,
-            f"pins CPU cores and needs cluster.device=cpu (is {self.device}; on GPUs each group already has its own "
-            "devices): set cluster.device=cpu, or cluster.pin_cores=false",
+            f"pins CPU cores and needs the CPU (cluster.device=cpu, or auto on a machine without GPUs; is "
+            f"{self.device}: on GPUs each group already has its own devices): set cluster.pin_cores=false",
         )
         for key in ("host_memory_gib", "gpu_memory_gib"):
             value = getattr(self, key)
@@ -312,25 +324,6 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
-class LoggerConfig:
-    """metrics.jsonl always; wandb when `wandb_mode` is online/offline (never waits for a login)."""
-
-    wandb_mode: str = "disabled"
-    wandb_project: str = "logra_rl"
-    wandb_entity: str | None = None
-    progress: bool = True
-    plot: bool = True
-
-    def __post_init__(self) -> None:
-        check(
-            self.wandb_mode in ("disabled", "offline", "online"),
-            "logger.wandb_mode",
-            self.wandb_mode,
-            "disabled, offline or online",
-        )
-
-
-@dataclass(frozen=True)
 class EvalConfig:
     """The trainer's evals and `logra-eval`: pass@k on the data's eval split, graded samples to eval/step_N.jsonl.
 
@@ -349,52 +342,6 @@ class EvalConfig:
         check_fraction("eval.top_p", self.top_p)
         check_positive_int("eval.samples", self.samples)
         check_bool("eval.write_samples", self.write_samples)
-
-
-# Keys that moved: old name → new name. `logra-train` rewrites them on its command line (with a note), and a
-# saved run's config.yaml in the old names reads through `migrate_keys` (resume, logra-eval's export, logra-plot).
-RENAMED_KEYS = {
-    "trainer.eval_every": "eval.every",
-    "rollout.eval_temperature": "eval.temperature",
-    "rollout.eval_top_p": "eval.top_p",
-    "rollout.eval_samples": "eval.samples",
-    "rollout.residual": "sync.residual",
-    "rollout.resync_every": "sync.resync_every",
-    "rollout.allow_resync_fallback": "sync.allow_resync_fallback",
-    "rollout.resync_bucket_mb": "sync.bucket_mb",
-    "rollout.probe_coordinates": "sync.drift_check_coordinates",
-    "logra.merge_chunk_rows": "sync.merge_chunk_rows",
-    "logra.target_modules": "model.target_modules",
-    "optimizer.lora_targets": "model.target_modules",
-}
-
-
-def migrate_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A copy of the nested mapping `values` (a run's saved config) with each old key of RENAMED_KEYS moved to its
-    new name, and a note per key moved. The old key's value wins over the new key's (a composed config holds the
-    new key's default). Every saved run held both old target lists; where they differ, the one its update rule
-    read wins (`optimizer.lora_targets` for LoRA, `logra.target_modules` otherwise)."""
-    values = copy.deepcopy(dict(values))
-    if "experiment" in values and "experiment_name" not in values:  # its name before the `experiment` group
-        values["experiment_name"] = values.pop("experiment")
-    lora = (values.get("optimizer") or {}).get("name") == "lora"
-    notes, moved = [], {}
-    for old, new in RENAMED_KEYS.items():
-        group, leaf = old.split(".")
-        node = values.get(group)
-        if not isinstance(node, dict) or leaf not in node:
-            continue
-        value = node.pop(leaf)
-        if new in moved and moved[new][1] != value:
-            read = old if lora == (old == "optimizer.lora_targets") else moved[new][0]
-            notes.append(f"{moved[new][0]} and {old} differ: the run's update rule read {read}")
-            if read != old:
-                continue
-        moved[new] = (old, value)
-        new_group, new_leaf = new.split(".")
-        values.setdefault(new_group, {})[new_leaf] = value
-        notes.append(f"{old} is now {new}")
-    return values, notes
 
 
 LOGRA_FROM_RUN = ("target_modules", "merge_chunk_rows")  # LoGRAConfig fields a run sets from other groups
@@ -462,10 +409,7 @@ class RunConfig:
         updates = max(algorithm.max_staleness, 1) * algorithm.epochs
         moved = updates * kl.max_overshoot * max(kl.budget, kl.final_budget)
         logra = built["optimizer"].name == "logra"
-        if algorithm.staleness_kl is None:
-            bound = 2 * moved if logra else math.inf
-            built["algorithm"] = algorithm = dataclasses.replace(algorithm, staleness_kl=bound)
-        elif algorithm.max_staleness and logra:
+        if algorithm.staleness_kl is not None and algorithm.max_staleness and logra:
             check(
                 algorithm.staleness_kl >= moved,
                 "algorithm.staleness_kl",

@@ -1,6 +1,7 @@
-"""Shared fixtures: the quickstart model directory (built once, offline) and test-wide environment."""
+"""Shared fixtures: the quickstart model directory (built once, offline), test-wide environment, the plots drawn."""
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -46,3 +47,15 @@ def uninterrupted(tmp_path_factory, quickstart_model) -> list[dict]:
 
     args = short_job(quickstart_model, checkpoint_every=3)
     return run_to_the_end(args, tmp_path_factory.mktemp("straight"), "straight")
+
+
+@pytest.fixture
+def figures(monkeypatch) -> Iterator[list]:
+    """The figures plot_run and plot_comparison draw, kept open so that a test can read what they show."""
+    import matplotlib.pyplot as plt
+
+    close, kept = plt.close, []
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for figure in kept:
+        close(figure)

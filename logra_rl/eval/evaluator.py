@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from logra_rl.config import RunConfig
 from logra_rl.data import Workload
@@ -18,8 +18,12 @@ from logra_rl.rewards.grading import CompletionGrader
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.utils.seeding import EVAL_STREAM, stream_seed
 
-if TYPE_CHECKING:
-    from logra_rl.orchestration.rollout_group import RolloutGroup
+
+class Sampler(Protocol):
+    """What the Evaluator samples from: the driver's `orchestration.RolloutGroup` (which sits above eval)."""
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
+        """Completions in prompt order, `params.n` per prompt, consecutive."""
 
 
 def eval_sampling(config: RunConfig) -> SamplingParams:
@@ -29,7 +33,7 @@ def eval_sampling(config: RunConfig) -> SamplingParams:
 
 class Evaluator:
     def __init__(
-        self, config: RunConfig, workload: Workload, rollout: RolloutGroup, grader: CompletionGrader, run_dir: Path
+        self, config: RunConfig, workload: Workload, rollout: Sampler, grader: CompletionGrader, run_dir: Path
     ) -> None:
         self.config = config
         self.workload = workload

@@ -1,31 +1,25 @@
-"""`logra-export`: a run's checkpoint as a Hugging Face model directory that transformers and vLLM load (LoRA
-adapters merged, the base model's config, generation config, tokenizer and chat template); also what `logra-eval`
-gives its engines for `eval.checkpoint`.
+"""A run's checkpoint as a Hugging Face model directory that transformers and vLLM load (LoRA adapters merged, the
+base model's config, generation config, tokenizer and chat template): what `logra-export` (`apps.export`) writes,
+and what `logra-eval` gives its engines for `eval.checkpoint`.
 
 A checkpoint holds the trainer's fp32 masters (torch.distributed.checkpoint shards, under `model.` + the names of
 the model it trains: HF names, or peft's `base_model.model.` + HF name beside the adapters in a LoRA run)."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import warnings
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
-import transformers
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from logra_rl.config import DTYPES, RunConfig
+from logra_rl.config import RunConfig
 from logra_rl.models.loading import resolve_model_path
 from logra_rl.models.smollm2 import COMPLETE, default_model_dir
 from logra_rl.train.lora import PEFT_PREFIX, merged_state
-from logra_rl.utils.checkpoint import Checkpoints, read_controller_state, verify
+from logra_rl.utils.checkpoint import Checkpoints, verify
 from logra_rl.utils.run_dir import staged_dir
 
 BASE_MODEL_FIX = "pass --base-model DIR (the HF model directory or hub id the run started from)"
@@ -142,65 +136,3 @@ def export_checkpoint(
         for file in staging.iterdir():  # safetensors writes its file owner-only: a server run by another user
             file.chmod(0o644)  # (`vllm serve`) must read it
     return out
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Usage errors in one line, as every other `logra-export` error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`logra-export CHECKPOINT OUT_DIR [--dtype D] [--base-model PATH] [--force]`."""
-    parser = OneLineParser(
-        prog="logra-export",
-        description="Write a logra-train checkpoint as a Hugging Face model directory (LoRA adapters merged, the "
-        "base model's tokenizer and chat template) that transformers and vLLM load.",
-        epilog="Then: transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR), or vllm serve OUT_DIR. "
-        "LOGRA_TRACEBACK=1 shows the traceback of an error.",
-    )
-    parser.add_argument(
-        "checkpoint",
-        type=Path,
-        metavar="CHECKPOINT",
-        help="a run directory (outputs/<experiment>/<run>: the checkpoint its checkpoints/latest names, or the newest "
-        "intact one before it) or one checkpoint (<run>/checkpoints/step_N)",
-    )
-    parser.add_argument(
-        "out", type=Path, metavar="OUT_DIR", help="the directory to write; one that holds anything needs --force"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="bfloat16",
-        help="the weights' dtype (default: bfloat16, as the rollout engines sample; float32: the trainer's "
-        "masters exactly)",
-    )
-    parser.add_argument(
-        "--base-model",
-        metavar="PATH",
-        help="the HF model directory or hub id the run started from: its architecture and tokenizer (default: the "
-        "run's own, from its config.yaml)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it holds anything")
-    args = parser.parse_args(argv)
-    transformers.logging.disable_progress_bar()
-    try:
-        checkpoint, skipped = find_checkpoint(args.checkpoint)
-        for line in skipped:
-            print(f"logra-export: {line}", file=sys.stderr)
-        out = export_checkpoint(checkpoint, args.out, args.dtype, args.base_model, args.force)
-    except (ValueError, OSError, CheckpointException) as error:  # the last, a BaseException: a shard unreadable
-        if os.environ.get("LOGRA_TRACEBACK"):
-            raise
-        sys.exit(f"logra-export: {one_line(error, 2000)}")
-    step, out, run = read_controller_state(checkpoint)["step"], out.resolve(), checkpoint.resolve().parents[1]
-    print(
-        f"logra-export: wrote {out} ({args.dtype}, step {step} of {run}); load it with "
-        f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or serve it: vllm serve {out}"
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -448,11 +448,12 @@ class GuardedStep:
 
 
 class KLController:
-    """The KL budget for each update (schedule, minus the EMA of the rollout-vs-trainer mismatch, floored), and the
-    guard that holds each step to it. Remembers the budgets it granted to the last updates (checkpointed), against
-    which a stale batch's behaviour KL is read."""
+    """The KL budget for each update (schedule, minus the EMA of the rollout-vs-trainer mismatch and what stale
+    batches showed earlier updates overshot by, floored), and the guard that holds each step to it. Remembers the
+    budgets it granted to the last updates (checkpointed), against which a stale batch's behaviour KL is read."""
 
     REMEMBERED = 8  # granted budgets kept (a stale batch is max_staleness × epochs updates behind; past this, unknown)
+    NUMERICS_MARGIN = 4  # the staleness bound's room for the engines' numerics: this many times their measured KL
 
     def __init__(self, config: KLConfig) -> None:
         self.config = config
@@ -460,48 +461,68 @@ class KLController:
         self.granted: dict[int, float] = {}  # policy version after an update -> the budget it was held to
         # the committed steps' measured KL bound per unit α², a geometric EMA (weight CURVATURE_EMA_WEIGHT)
         self.curvature: float | None = None
+        # KL(π_rollout ‖ π_train) per token of batches sampled by the policy trained on: the engines' numerics
+        self.numerics: float | None = None
+        self.debt = 0.0  # KL per token that stale batches showed earlier updates moved past their budgets
+        self._paying = 0.0  # the part of the debt the budget just given takes off, paid once its update commits
 
     def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
-        """δ_eff for the next update; folds this batch's mismatch into the EMA when it has any tokens.
+        """δ_eff for the next update: the schedule's, minus the mismatch EMA (folding this batch's mismatch in) and
+        minus the debt, down to `mismatch_budget_floor` of it.
 
-        With no measured tokens this step the budget is not reduced (as in the reference port).
+        With no measured tokens this step (a PPO epoch after the first, a stale batch, whose mismatch holds its
+        staleness too) the mismatch EMA is neither changed nor subtracted (as in the reference port).
         """
         budget = scheduled_budget(self.config, update)
-        if not self.config.mismatch_subtraction or mismatch_tokens <= 0:
-            return budget
-        observed = mismatch_sum / mismatch_tokens
-        if not math.isfinite(observed):
-            raise FloatingPointError(f"rollout-vs-trainer mismatch {observed} is not finite")
+        cut, room = 0.0, (1 - self.config.mismatch_budget_floor) * budget
+        if self.config.mismatch_subtraction and mismatch_tokens > 0:
+            observed = mismatch_sum / mismatch_tokens
+            if not math.isfinite(observed):
+                raise FloatingPointError(f"rollout-vs-trainer mismatch {observed} is not finite")
+            weight = self.config.mismatch_ema_weight
+            self.mismatch = (1 - weight) * self.mismatch + weight * max(0.0, observed)
+            cut = min(self.mismatch, room)
+        self._paying = min(self.debt, room - cut)
+        return budget - cut - self._paying
+
+    def observe_numerics(self, behaviour_kl: float) -> None:
+        """Fold the behaviour KL of a batch sampled by the policy being trained (the engines' numerics alone) into
+        `numerics`, an EMA (weight `mismatch_ema_weight`) started at the first."""
+        if not math.isfinite(behaviour_kl):
+            raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
         weight = self.config.mismatch_ema_weight
-        self.mismatch = (1 - weight) * self.mismatch + weight * max(0.0, observed)
-        return max(budget - self.mismatch, self.config.mismatch_budget_floor * budget)
+        self.numerics = behaviour_kl if self.numerics is None else (1 - weight) * self.numerics + weight * behaviour_kl
+
+    def owe(self, update: int, behaviour_kl: float, staleness: int) -> None:
+        """A batch sampled `staleness` updates before `update` (`algorithm.max_staleness`), trained on or refused,
+        has KL(π_behaviour ‖ π_train) per token `behaviour_kl`: what that exceeds the budgets those updates were
+        granted plus the engines' numerics by, they moved the policy past their budgets on the engines' own
+        samples. It is added to the debt, which the next updates' budgets pay off (`step_budget`): nothing is
+        forgiven, and the floor keeps each update moving."""
+        if not math.isfinite(behaviour_kl):
+            raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
+        excess = behaviour_kl - self.granted_since(update, staleness) - (self.numerics or 0.0)
+        self.debt += max(0.0, excess)
+
+    def staleness_bound(self, update: int, updates: int) -> float:
+        """The default `algorithm.staleness_kl` for a batch `updates` updates behind `update`: twice what the guard
+        lets those updates move the policy (max_overshoot × their budgets), plus NUMERICS_MARGIN × the engines'
+        measured numerics; it follows the budget schedule."""
+        moved = self.config.max_overshoot * self.granted_since(update, updates)
+        return 2 * moved + self.NUMERICS_MARGIN * (self.numerics or 0.0)
+
+    def granted_since(self, update: int, updates: int) -> float:
+        """Σ of the budgets of the `updates` updates before `update`: as granted where remembered, else as scheduled."""
+        granted = self.budget_since(update - updates, update)
+        if granted is None:
+            granted = sum(scheduled_budget(self.config, max(update - back, 0)) for back in range(1, updates + 1))
+        return granted
 
     def budget_since(self, version: int, current: int) -> float | None:
         """Σ of the budgets granted to the updates from `version` to `current` (None where one is not known: one
         from before a restart, or older than the controller remembers)."""
         budgets = [self.granted.get(v) for v in range(version + 1, current + 1)]
         return sum(budgets) if budgets and None not in budgets else None
-
-    def stale_budget(self, update: int, behaviour_kl: float, staleness: int) -> float:
-        """δ_eff for an update from a batch sampled `staleness` updates ago (`algorithm.max_staleness`), whose
-        KL(π_behaviour ‖ π_train) per token is `behaviour_kl`.
-
-        The updates in between were each held to their own budget, so the batch is expected to be about the
-        sum of those budgets away: that part was granted. What it is beyond them (the guard's overshoot within
-        `max_overshoot`, the engines' numerics, what the guard rows did not see of the batch) is charged like the
-        mismatch, which it contains. A stale batch cannot tell the engines' numerics from its staleness, so it
-        does not update the mismatch EMA. The floor holds.
-        """
-        budget = scheduled_budget(self.config, update)
-        if not self.config.mismatch_subtraction:
-            return budget
-        if not math.isfinite(behaviour_kl):
-            raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
-        granted = self.budget_since(update - staleness, update)
-        if granted is None:
-            granted = sum(scheduled_budget(self.config, max(update - back, 0)) for back in range(1, staleness + 1))
-        charge = max(self.mismatch, behaviour_kl - granted)
-        return max(budget - charge, self.config.mismatch_budget_floor * budget)
 
     def alpha(self, q: float | None, budget: float) -> float:
         """The proposed α: from q when there is one, else 1 (the step `update_ratio` sets), at most α_max."""
@@ -566,8 +587,9 @@ class KLController:
 
     def record(self, version: int, step: GuardedStep) -> None:
         """The update that made policy `version` was `step`: its budget is kept for `budget_since`, its measured
-        curvature folded into the next proposal's (`kl.estimator=previous`)."""
+        curvature folded into the next proposal's (`kl.estimator=previous`); the debt its budget took off is paid."""
         self.granted[version] = step.budget
+        self.debt, self._paying = max(0.0, self.debt - self._paying), 0.0
         if step.alpha > 0 and step.measured.upper > 0:
             measured = math.log(step.measured.upper / step.alpha**2)
             if self.curvature is not None:
@@ -577,10 +599,17 @@ class KLController:
             del self.granted[old]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mismatch": self.mismatch, "granted": dict(self.granted), "curvature": self.curvature}
+        return {
+            "mismatch": self.mismatch,
+            "granted": dict(self.granted),
+            "curvature": self.curvature,
+            "numerics": self.numerics,
+            "debt": self.debt,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mismatch = float(state["mismatch"])
         # absent in older checkpoints
         self.granted = {int(v): float(b) for v, b in state.get("granted", {}).items()}
         self.curvature = state.get("curvature")
+        self.numerics, self.debt = state.get("numerics"), float(state.get("debt", 0.0))

@@ -48,6 +48,15 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What the run's devices have: the host's memory the run may use, each GPU's total (None: unknown)."""
+
+    cuda: bool
+    host: float | None
+    gpu: float | None
+
+
+@dataclass(frozen=True)
 class ModelFootprint:
     """Counts and per-token sizes of one model (bytes are for the given compute dtype)."""
 

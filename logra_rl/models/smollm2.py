@@ -92,20 +92,3 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`logra-fetch-smollm2 [--out DIR]`: build (or find) the model and print its directory."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="logra-fetch-smollm2", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"default: {default_model_dir()}")
-    args = parser.parse_args(argv)
-    try:
-        print(fetch_smollm2(args.out))
-    except (OSError, ImportError) as error:
-        sys.exit(f"logra-fetch-smollm2: {error}")
-
-
-if __name__ == "__main__":
-    main()

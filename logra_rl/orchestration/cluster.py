@@ -46,7 +46,12 @@ def start_ray(config: RunConfig) -> bool:
 
     `ray.address` unset joins a cluster already running on this node (`RAY_ADDRESS`, else the last `ray start`),
     as a bare `ray.init()` (verl, OpenRLHF) does; `ray.address=local` starts a private Ray beside it."""
-    if config.cluster.pin_cores:  # before Ray: fewer cores than groups stops the run here
+    if config.cluster.pin_cores:  # before Ray: fewer cores than groups, or GPUs, stop the run here
+        if config.cluster.device == "auto" and torch.cuda.is_available():
+            raise ValueError(
+                "cluster.pin_cores=true pins CPU cores, and cluster.device=auto means the GPUs on this machine (each "
+                "group already has its own): set cluster.pin_cores=false, or cluster.device=cpu to train on the CPU"
+            )
         cores = pinned_cores(config)
         print(f"[logra] pinned cores (cluster.pin_cores): {describe_cores(cores)}", flush=True)
     if ray.is_initialized():

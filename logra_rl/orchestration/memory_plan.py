@@ -7,7 +7,8 @@ weights, activations, logits) and the rollout engine (`memory`: weights, residua
 the processes' runtimes and sums them by phase. A part is held for the whole run
 (`RESIDENT`) or only in one phase of the synchronous loop (loading, training, generating, syncing), so a
 process's peak is its resident parts plus its largest phase, and a device's need is its processes' resident
-parts plus the largest phase summed over them (on a CPU machine every process shares the host).
+parts plus the largest phase summed over them (on a CPU machine every process shares the host). One step off
+(`algorithm.max_staleness=1`) the engines generate while the train ranks train: the host counts both at once.
 
 The estimates are arithmetic plus a few measured constants (library runtimes, allocator slack), checked
 against measured peaks by `scripts/bench/bench_memory.py` (docs/benchmarks.md §12).
@@ -16,6 +17,7 @@ against measured peaks by `scripts/bench/bench_memory.py` (docs/benchmarks.md §
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -25,11 +27,13 @@ from rich.table import Table
 
 from logra_rl.config import RunConfig
 from logra_rl.models.footprint import (
+    GENERATING,
     PHASES,
     RESIDENT,
     SYNCING,
     TRAINING,
     Lengths,
+    Machine,
     ModelFootprint,
     Part,
     model_footprint,
@@ -99,15 +103,6 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class Machine:
-    """What the run's devices have: the host's memory the run may use, each GPU's total (None: unknown)."""
-
-    cuda: bool
-    host: float | None
-    gpu: float | None
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     processes: tuple[ProcessPlan, ...]
     budgets: tuple[Budget, ...]
@@ -174,14 +169,23 @@ def plan_memory(config: RunConfig, model_path: str, machine: Machine, prompt_tok
         if process.device != "host" and process.count:
             gpus[process.device] = max(gpus.get(process.device, 0.0), process.peak)
     budgets = [Budget(device, need, machine.gpu) for device, need in gpus.items()]
-    budgets.append(Budget("host", _host_need(processes), machine.host))
+    overlapping = engines if config.algorithm.max_staleness else None
+    budgets.append(Budget("host", _host_need(processes, overlapping), machine.host))
     return MemoryPlan(processes, tuple(budgets), tuple(notes))
 
 
-def _host_need(processes: tuple[ProcessPlan, ...]) -> float:
-    """What the processes need of the host together at the worst phase (the synchronous loop runs one phase
-    at a time): everything of CPU processes, the host side of GPU ones."""
-    return max(sum(p.count * p.held(phase, on_host=p.device != "host") for p in processes) for phase in PHASES)
+def _host_need(processes: tuple[ProcessPlan, ...], generating: ProcessPlan | None = None) -> float:
+    """What the processes need of the host together at the worst phase: everything of CPU processes, the host
+    side of GPU ones. The synchronous loop runs one phase at a time; one step off (`generating`: the engines'
+    plan) the engines generate while the other processes train, so that pair of phases is summed too."""
+
+    def need(phase_of: Callable[[ProcessPlan], str]) -> float:
+        return sum(p.count * p.held(phase_of(p), on_host=p.device != "host") for p in processes)
+
+    worst = max(need(lambda p, phase=phase: phase) for phase in PHASES)
+    if generating is not None:
+        worst = max(worst, need(lambda p: GENERATING if p is generating else TRAINING))
+    return worst
 
 
 def _runtime(kind: str, cuda: bool) -> list[Part]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +34,22 @@ def engine_class(backend: str) -> type[RolloutEngine]:
     if backend == "vllm":
         from logra_rl.rollout.vllm_engine import VLLMEngine  # imports vLLM only inside the actor
 
-        return VLLMEngine
+        return timed(VLLMEngine)
     from logra_rl.rollout.hf_engine import HFEngine
 
-    return HFEngine
+    return timed(HFEngine)
+
+
+def timed(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+    """`cls` with `timed_generate`: `generate`'s completions and the wall-clock time (time.time()) it started and
+    ended in the engine's process, so the driver knows how long a generation it did not wait for took."""
+
+    def timed_generate(self: Any, *args: Any) -> tuple[list[Completion], float, float]:
+        start = time.time()
+        completions = cls.generate(self, *args)
+        return completions, start, time.time()
+
+    return type(cls.__name__, (cls,), {"timed_generate": timed_generate, "__doc__": cls.__doc__})
 
 
 class EngineFailure(RuntimeError):
@@ -47,9 +60,24 @@ class EnginesRestarted(Exception):
     """Engines were lost during a call and are up again in their bundles, holding the checkpoint they started
     from: they need the policy's weights before the call is made again."""
 
-    def __init__(self, engines: list[int], reasons: str) -> None:
-        super().__init__(f"rollout engines {engines} restarted: {reasons}")
-        self.engines = engines
+    def __init__(self, engines: list[int] | None, reasons: str) -> None:
+        super().__init__(f"rollout engines {'(all)' if engines is None else engines} restarted: {reasons}")
+        self.engines = engines  # None: which ones is not known (all are resynced)
+
+
+@dataclass
+class Generation:
+    """A generation launched on the engines and not yet collected: one object reference per engine used (its
+    contiguous chunk of the prompts, in order)."""
+
+    refs: dict[int, ray.ObjectRef]
+
+
+@dataclass(frozen=True)
+class Generated:
+    completions: list[Completion]  # in prompt order, `n` per prompt
+    seconds: float  # the longest engine's generation time
+    ended: float  # time.time() when the last engine finished
 
 
 class RolloutGroup:
@@ -76,14 +104,27 @@ class RolloutGroup:
         return len(self.engines)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
-        """Split the prompts over the engines (contiguous chunks, engine e seeded `seed + e`); completions
-        come back in prompt order."""
+        """`launch` and `collect`: completions in prompt order."""
+        return self.collect(self.launch(prompts, params, seed)).completions
+
+    def launch(self, prompts: Sequence[list[int]], params: SamplingParams, seed: int) -> Generation:
+        """Start generating: the prompts split over the engines (contiguous chunks, engine e seeded `seed + e`).
+        Each engine runs its calls in order, so a payload sent after this reaches it after this generation."""
         chunks = np.array_split(np.arange(len(prompts)), len(self.engines))
         used = [e for e, chunk in enumerate(chunks) if len(chunk)]  # fewer prompts than engines: the rest sit out
-        results = self._each(
-            lambda e, engine: engine.generate.remote([prompts[i] for i in chunks[e]], params, seed + e), used
+        return Generation(
+            {e: self.engines[e].timed_generate.remote([prompts[i] for i in chunks[e]], params, seed + e) for e in used}
         )
-        return [c for e in used for c in results[e]]
+
+    def collect(self, generation: Generation) -> Generated:
+        """A launched generation's completions, in prompt order; `EnginesRestarted` when engines were lost during
+        it (none of its completions are kept: the caller brings the engines back and launches it again)."""
+        results = self._gather(generation.refs)
+        return Generated(
+            [c for e in sorted(results) for c in results[e][0]],
+            max(end - start for _, start, end in results.values()),
+            max(end for _, _, end in results.values()),
+        )
 
     def merge_modes(self) -> list[MergeMode]:
         results = self._each(lambda e, engine: engine.merge_mode.remote(), range(len(self)))
@@ -106,14 +147,18 @@ class RolloutGroup:
         return [results[e] for e in range(len(self))]
 
     def shutdown(self) -> None:
-        self.closing = True  # a generation still running on a background thread then fails quietly
+        self.closing = True  # a call still waited for then fails quietly
         self.workers.kill()
 
     def _each(self, call: Callable[[int, ActorHandle], ray.ObjectRef], engines: Sequence[int]) -> dict[int, Any]:
-        """`call(e, engine)` for each engine index, results by index; lost engines are restarted and reported
-        (`EnginesRestarted`, see the module docstring)."""
+        """`call(e, engine)` for each engine index, results by index (`_gather`)."""
+        return self._gather({e: call(e, self.engines[e]) for e in engines})
+
+    def _gather(self, refs: dict[int, ray.ObjectRef]) -> dict[int, Any]:
+        """The engines' answers by index; lost engines are restarted and reported (`EnginesRestarted`, see the
+        module docstring)."""
         results: dict[int, Any] = {}
-        lost = self._collect({e: call(e, self.engines[e]) for e in engines}, results)
+        lost = self._wait(refs, results)
         if not lost:
             return results
         if self.closing:  # stopped by the run's teardown, not lost
@@ -149,7 +194,7 @@ class RolloutGroup:
             except ActorDiedError as error:  # Ray gave up on it (its own max_restarts)
                 raise EngineFailure(f"rollout engine {engine} could not be restarted: {reasons}") from error
 
-    def _collect(self, refs: dict[int, ray.ObjectRef], results: dict[int, Any]) -> dict[int, str]:
+    def _wait(self, refs: dict[int, ray.ObjectRef], results: dict[int, Any]) -> dict[int, str]:
         """Wait for `refs` (at most `call_timeout_s`), put the answers in `results`, and return the engines that
         died or did not answer, with why (a hung engine is killed: Ray restarts it)."""
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)

@@ -3,19 +3,44 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from logra_rl.rewards.graders import usable_answer
 from logra_rl.rewards.pool import GradeRequest, RewardPool, grader_metrics
 
-if TYPE_CHECKING:
-    from logra_rl.data import Example, Prompt
-    from logra_rl.rollout import Completion
-
 logger = logging.getLogger(__name__)
+
+
+# What grading reads of the prompts and completions, as protocols: `data` (whose tasks name their rewards) and
+# `rollout` sit above the rewards (docs/architecture.md, "Floors").
+class GradedExample(Protocol):
+    """`data.Example`: the reference answer, the reward that grades it and what the grader needs."""
+
+    @property
+    def answer(self) -> str: ...
+
+    @property
+    def reward(self) -> str: ...
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+
+class GradedPrompt(Protocol):
+    """`data.Prompt`: the example it was made from."""
+
+    @property
+    def example(self) -> GradedExample: ...
+
+
+class Response(Protocol):
+    """`rollout.Completion`: the tokens an engine generated."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
 
 
 class CompletionGrader:
@@ -25,10 +50,10 @@ class CompletionGrader:
         self.checked: dict[tuple[str, str], bool] = {}  # (reward, ground truth) -> usable: parsed once per run
         self.warned = False
 
-    def response(self, completion: Completion) -> str:
+    def response(self, completion: Response) -> str:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
-    def grade(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> tuple[torch.Tensor, dict]:
+    def grade(self, prompts: Sequence[GradedPrompt], completions: Sequence[Response]) -> tuple[torch.Tensor, dict]:
         """Rewards (float64, one per completion; `len(completions) / len(prompts)` per prompt, consecutive)
         and the grader metrics (timeouts, errors, responses to a ground truth their grader cannot use)."""
         n = len(completions) // len(prompts)
@@ -49,14 +74,14 @@ class CompletionGrader:
             self.warn(bad[0], len(bad), len(prompts))
         return rewards, {**grader_metrics(results), "reward/bad_ground_truths": float(n * len(bad))}
 
-    def usable(self, example: Example) -> bool:
+    def usable(self, example: GradedExample) -> bool:
         key = (example.reward, example.answer)
         if key not in self.checked:
             self.checked[key] = usable_answer(*key)
         return self.checked[key]
 
     @staticmethod
-    def warn(example: Example, bad: int, prompts: int) -> None:
+    def warn(example: GradedExample, bad: int, prompts: int) -> None:
         """One line, once per run: a data problem, not the policy's, that would otherwise train at reward 0."""
         metadata = example.metadata
         where = metadata.get("file") or metadata.get("data_source") or "the data"

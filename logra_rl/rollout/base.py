@@ -8,17 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from logra_rl.config import RunConfig
 from logra_rl.logra.merge import residual_bytes
-from logra_rl.models.footprint import SYNCING, Lengths, ModelFootprint, Part
-
-if TYPE_CHECKING:
-    from logra_rl.orchestration.memory_plan import Machine
+from logra_rl.models.footprint import SYNCING, Lengths, Machine, ModelFootprint, Part
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,7 +18,7 @@ from transformers.generation import LogitsProcessor, LogitsProcessorList, Temper
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
-from logra_rl.models.footprint import GENERATING, Lengths, ModelFootprint, Part
+from logra_rl.models.footprint import GENERATING, Lengths, Machine, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rollout.base import (
     Completion,
@@ -35,9 +34,6 @@ from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
-
-if TYPE_CHECKING:
-    from logra_rl.orchestration.memory_plan import Machine
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from logra_rl.config import RunConfig
-from logra_rl.models.footprint import Lengths, ModelFootprint, Part
+from logra_rl.models.footprint import Lengths, Machine, ModelFootprint, Part
 from logra_rl.rollout.base import (
     Completion,
     EngineSpec,
@@ -40,9 +39,6 @@ EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
 ENGINE_INDEX = "LOGRA_ENGINE_INDEX"  # set by RolloutGroup in each engine actor's environment
 MAX_NUM_SEQS = 256  # sequences vLLM decodes together (its default; sizes the CPU KV cache)
 VLLM_ACTIVATION_GIB = 1.5  # vLLM's profiled activation peak and CUDA graphs, per GPU (a rough allowance)
-
-if TYPE_CHECKING:
-    from logra_rl.orchestration.memory_plan import Machine
 
 
 def engine_cache_root(index: int, environ: Mapping[str, str]) -> str:

@@ -59,7 +59,7 @@ class UpdateInputs:
     # that measures KL (LoGRA; dense and LoRA with measure_kl)
     kl_rows: Callable[[], KLRows]
     staleness: int = 0  # updates since the policy that sampled the batch (algorithm.max_staleness; 0: this one)
-    behaviour_kl: float = 0.0  # KL(π_behaviour ‖ π_train) per token of such a stale batch
+    behaviour_kl: float | None = None  # KL(π_behaviour ‖ π_train) per token of the batch (epoch 0; None after)
 
 
 @contextmanager
@@ -167,6 +167,13 @@ class UpdateRule(Protocol):
     def drop_backward(self) -> None:
         """Drop what the backward accumulated (gradients or sketches) without an update."""
 
+    def staleness_bound(self, staleness: int) -> float:
+        """The largest behaviour KL per token a batch sampled `staleness` updates ago is trained on with
+        (`algorithm.staleness_kl`, or the rule's default)."""
+
+    def refuse(self, staleness: int, behaviour_kl: float) -> None:
+        """A batch `staleness` updates old was refused for its behaviour KL (nothing trained on it)."""
+
     def save(self, directory: Path) -> None: ...
 
     def load(self, directory: Path) -> None: ...
@@ -217,6 +224,7 @@ class DenseUpdate:
         self.model = model
         self.policy_version = 0
         self.temperature = config.rollout.temperature
+        self.staleness_kl = config.algorithm.staleness_kl
 
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
@@ -279,6 +287,14 @@ class DenseUpdate:
 
     def drop_backward(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def staleness_bound(self, staleness: int) -> float:
+        """`algorithm.staleness_kl`; no bound unless set (no KL budget to derive one from)."""
+        bound = self.staleness_kl
+        return math.inf if bound is None else bound
+
+    def refuse(self, staleness: int, behaviour_kl: float) -> None:
+        """Nothing to record: no budget."""
 
     def _realized_kl(self, before: LogitChunks, rows: KLRows) -> dict[str, float]:
         """`train/kl_realized` of the step just taken, or nothing when it could not be measured (no generated
@@ -345,6 +361,7 @@ class LoGRAUpdate:
         self.model = model
         self.temperature = config.rollout.temperature
         self.measures_kl = True
+        self.staleness_kl = config.algorithm.staleness_kl
 
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
@@ -399,6 +416,9 @@ class LoGRAUpdate:
         if inputs.staleness:  # the budgets of the updates the batch's behaviour KL spans: the held-out referee's
             granted = controller.budget_since(version - inputs.staleness, version)
             metrics = {"async/behaviour_kl_budget": granted} if granted is not None else {}
+            controller.owe(version, inputs.behaviour_kl, inputs.staleness)
+        elif inputs.behaviour_kl is not None:
+            controller.observe_numerics(inputs.behaviour_kl)
         try:
             sketch_norm = opt.prepare(num_tokens=inputs.num_tokens)
         except FloatingPointError as error:
@@ -406,8 +426,8 @@ class LoGRAUpdate:
             return {**metrics, "train/skipped": 1.0}, NoChange(str(error))
         start = time.perf_counter()
         try:
-            if inputs.staleness:
-                budget = controller.stale_budget(version, inputs.behaviour_kl, inputs.staleness)
+            if inputs.staleness:  # its mismatch holds its staleness too: not the engines' numerics
+                budget = controller.step_budget(version)
             else:
                 budget = controller.step_budget(version, inputs.mismatch_sum, inputs.mismatch_tokens)
             with policy_forward(self.model):
@@ -427,6 +447,7 @@ class LoGRAUpdate:
             "logra/overshoot_refused": float(not step.accepted),
             "logra/sketch_norm": sketch_norm,
             "logra/mismatch_ema": controller.mismatch,
+            "logra/kl_debt": controller.debt,
             "timing_s/probe": time.perf_counter() - start,
             "timing_s/line_search": step.seconds,
         }
@@ -450,6 +471,16 @@ class LoGRAUpdate:
 
     def drop_backward(self) -> None:
         self.optimizer.zero_sketches()
+
+    def staleness_bound(self, staleness: int) -> float:
+        """`algorithm.staleness_kl`, or by default `KLController.staleness_bound` for the batch's updates."""
+        if self.staleness_kl is not None:
+            return self.staleness_kl
+        return self.optimizer.kl_controller.staleness_bound(self.version, staleness)
+
+    def refuse(self, staleness: int, behaviour_kl: float) -> None:
+        """The refused batch's excess over its updates' budgets is a debt too (`KLController.owe`)."""
+        self.optimizer.kl_controller.owe(self.version, behaviour_kl, staleness)
 
     def save(self, directory: Path) -> None:
         if _is_rank0():

@@ -285,12 +285,15 @@ class TrainWorker:
             sums, kept = self._forward_backward(batch, timer, keep)
             if epoch == 0:  # the mismatch and behaviour KL before this step moved the weights
                 first, behaviour_kl = sums, sums["behaviour_kl"] / max(sums["tokens"], 1)
-                if staleness > 0 and behaviour_kl > algorithm.staleness_kl:
+                bound = self.rule.staleness_bound(staleness) if staleness else math.inf
+                if step == 0:
+                    algorithm.check_staleness_bound(behaviour_kl)
+                if behaviour_kl > bound:
                     self.rule.drop_backward()  # nothing moves: the controller has the batch sampled again
-                    bound = algorithm.staleness_kl
-                    reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > algorithm.staleness_kl={bound:g}"
+                    self.rule.refuse(staleness, behaviour_kl)
+                    reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > the staleness bound {bound:.3g}"
                     metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
-                    return metrics | self._staleness_metrics(staleness, behaviour_kl), StaleBatch(reason)
+                    return metrics | self._staleness_metrics(staleness, behaviour_kl, bound), StaleBatch(reason)
                 if heldout is not None:
                     with timer("heldout"), policy_forward(self.model):
                         before = predictions(heldout, self.rule_class.trains_head)
@@ -301,7 +304,7 @@ class TrainWorker:
                 mismatch_tokens=int(sums["mismatch_tokens"]) if epoch == 0 else 0,
                 kl_rows=functools.partial(self._kl_rows, batch.rows(guard), kept),
                 staleness=staleness if epoch == 0 else 0,
-                behaviour_kl=behaviour_kl if epoch == 0 else 0.0,
+                behaviour_kl=behaviour_kl if epoch == 0 else None,
             )
             with timer("update"):
                 update_metrics, update = self.rule.update(inputs)
@@ -326,7 +329,7 @@ class TrainWorker:
                 metrics.update(self._heldout_metrics(before, heldout, per_epoch))
         release_free_memory()  # the engines generate next: hand them what this step freed
         metrics["train/mismatch"] = first["mismatch_all"] / max(first["tokens"], 1)
-        metrics.update(self._staleness_metrics(staleness, behaviour_kl))
+        metrics.update(self._staleness_metrics(staleness, behaviour_kl, bound))
         metrics.update(self._memory_metrics())
         metrics.update(timer.seconds)
         return metrics, step_update(updates)
@@ -378,11 +381,13 @@ class TrainWorker:
         return int(oldest)
 
     @staticmethod
-    def _staleness_metrics(staleness: int, behaviour_kl: float) -> dict[str, float]:
+    def _staleness_metrics(staleness: int, behaviour_kl: float, bound: float) -> dict[str, float]:
         """async/staleness: updates between the policy that sampled the batch and the one trained on it;
         async/behaviour_kl: KL(π_behaviour ‖ π_train) per token on the batch before this step moved the weights
-        (on an on-policy batch, the rollout-vs-trainer numerics alone)."""
-        return {"async/staleness": float(staleness), "async/behaviour_kl": behaviour_kl}
+        (on an on-policy batch, the rollout-vs-trainer numerics alone); async/staleness_bound: the bound a stale
+        batch's was read against."""
+        bounded = {"async/staleness_bound": bound} if math.isfinite(bound) else {}
+        return {"async/staleness": float(staleness), "async/behaviour_kl": behaviour_kl, **bounded}
 
     def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)

@@ -6,17 +6,16 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from logra_rl.utils.run_dir import write_atomic
-
-if TYPE_CHECKING:  # the config pulls in torch, which `logra-plot` (reading metric names from here) does not need
-    from logra_rl.config import LoggerConfig
+from logra_rl.utils.structs import check
 
 # Metrics renamed by issue 27 (and one before it), old name → name: records read back (a resumed run's
 # metrics.jsonl, `logra-plot` of an older run) are read under the current names; docs/training.md lists them.
@@ -64,6 +63,25 @@ SUMMARY_KEYS = (
     "memory/train_peak_gib",
     "timing_s/step",
 )
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """metrics.jsonl always; wandb when `wandb_mode` is online/offline (never waits for a login)."""
+
+    wandb_mode: str = "disabled"
+    wandb_project: str = "logra_rl"
+    wandb_entity: str | None = None
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        check(
+            self.wandb_mode in ("disabled", "offline", "online"),
+            "logger.wandb_mode",
+            self.wandb_mode,
+            "disabled, offline or online",
+        )
 
 
 class MetricsLogger:

@@ -1,13 +1,10 @@
-"""Plots of runs: the end-of-run PNG (`plot_run`) and `logra-plot`, which compares run directories side by side."""
+"""The end-of-run plot of a run (`plot_run`, which the trainer draws when it ends) and the reading of a run's
+metrics.jsonl and config.yaml it shares with `logra-plot` (`apps.plot`), which compares runs side by side."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import statistics
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +13,14 @@ from omegaconf import OmegaConf
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
 from logra_rl.utils.metrics import current_names
+from logra_rl.utils.renamed_keys import migrate_keys
 
-DASH = "—"
 KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted", "logra/kl_budget"
 REFUSED = "logra/overshoot_refused"
 BEHAVIOUR_KL = "async/behaviour_kl"  # KL(π_behaviour ‖ π_train) per token of the batch a step trained on
+STALENESS_BOUND = "async/staleness_bound"  # the bound a stale batch's behaviour KL was read against
 REFUSED_KL = "async/refused_behaviour_kl"  # that of a batch past algorithm.staleness_kl, sampled again
 # The held-out referee: KL on rows the guard never saw, against the budget(s) of the update(s) it measures
 HELDOUT_KL, HELDOUT_BUDGET = "heldout/kl", "heldout/kl_budget"
@@ -32,28 +28,19 @@ BEHAVIOUR_BUDGET = "async/behaviour_kl_budget"
 HELDOUT_FACTOR = 2.0  # a held-out KL past this many budgets is marked
 # logra.kl.max_overshoot's default: runs from before the KL guard have neither the key nor the guard.
 DEFAULT_MAX_OVERSHOOT = 1.5
-# Predicted on top and thicker: it is the smooth budget-bound curve the noisy realised KL is checked against; the
-# budget thin and dotted, as the reference both are measured by.
-KL_STYLES: dict[str, dict[str, Any]] = {
-    KL_REALIZED: {"linestyle": "-", "linewidth": 0.8, "alpha": 0.7},
-    KL_PREDICTED: {"linestyle": "--", "linewidth": 1.6, "zorder": 3},
-    KL_BUDGET: {"linestyle": ":", "linewidth": 1.0},
-}
-KL_NAMES = {KL_REALIZED: "realised", KL_PREDICTED: "predicted (q·α²)", KL_BUDGET: "budget δ"}
 # The held-out referee's points; one past HELDOUT_FACTOR × its budget must stand out in any run's colour; a refused
 # step committed nothing.
 HELDOUT_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "o", "markersize": 3, "alpha": 0.8, "zorder": 3}
 OVER_BOUND_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "x", "markersize": 7, "color": "red", "zorder": 4}
 REFUSED_STYLE: dict[str, Any] = {"linestyle": "none", "marker": "v", "markersize": 6, "markeredgecolor": "black"}
-RUN_DIR_CONTENTS = "a run directory (outputs/<experiment_name>/<run_name>/) holds metrics.jsonl and config.yaml"
 
 
 def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
     """The end-of-run PNG; the KL guard's bound (logra.kl.max_overshoot × budget) comes from the config.yaml beside
     `metrics_path`, so that steps over it and refused steps are marked."""
     metrics_path = Path(metrics_path)
-    records = _read_records(metrics_path)
-    config = _read_config(metrics_path.parent / "config.yaml")
+    records = read_records(metrics_path)
+    config = read_config(metrics_path.parent / "config.yaml")
     max_overshoot = _max_overshoot(config)
     rates = [r["perf/updates_per_hour"] for r in records if r.get("perf/updates_per_hour")]
     panels = [
@@ -78,7 +65,7 @@ def plot_run(metrics_path: Path, output: Path, task: str, k: int) -> Path:
             _draw_guard(axis, records, max_overshoot)
             axis.set_yscale("log")
         if title == "staleness":
-            _draw_staleness(axis, records, _get(config, "algorithm.staleness_kl"))
+            _draw_staleness(axis, records, config_value(config, "algorithm.staleness_kl"))
         axis.set_title(title)
         axis.set_xlabel("step")
         if axis.lines:
@@ -100,18 +87,22 @@ def _draw_guard(axis: Any, records: list[dict[str, Any]], max_overshoot: float) 
         axis.plot(steps, bound, linestyle=":", linewidth=0.8, color="gray", label=f"bound {max_overshoot:g} × budget")
     if held := heldout_points(records):
         axis.plot([p[0] for p in held], [p[1] for p in held], **HELDOUT_STYLE, color="black", label="held out")
-    if over := _over_heldout(records):
+    if over := over_heldout(records):
         axis.plot(
             *zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"held out > {HELDOUT_FACTOR:g}× budget: {len(over)}"
         )
-    if refused := _refused(records):
+    if refused := refused_updates(records):
         axis.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color="gray", label=f"refused: {len(refused)}")
 
 
 def _draw_staleness(axis: Any, records: list[dict[str, Any]], bound: float | None) -> None:
-    """The behaviour KL against its bound (algorithm.staleness_kl), and on a second axis the staleness in updates;
-    ▽ at the behaviour KL of a batch past the bound, sampled again."""
-    if bound is not None and any(r.get(BEHAVIOUR_KL) is not None for r in records):
+    """The behaviour KL against its bound (`async/staleness_bound` as each stale batch was read against it; a run
+    from before it: algorithm.staleness_kl), and on a second axis the staleness in updates; ▽ at the behaviour KL
+    of a batch past the bound, sampled again."""
+    bounds = [(r["step"], r[STALENESS_BOUND]) for r in records if r.get(STALENESS_BOUND) is not None]
+    if bounds:
+        axis.plot(*zip(*bounds, strict=True), linestyle=":", linewidth=0.8, color="gray", label="bound")
+    elif bound is not None and any(r.get(BEHAVIOUR_KL) is not None for r in records):
         axis.axhline(float(bound), linestyle=":", linewidth=0.8, color="gray", label=f"bound {float(bound):g}")
     refused = [(r["step"], r[REFUSED_KL]) for r in records if r.get("async/refused") and r.get(REFUSED_KL) is not None]
     if refused:
@@ -123,278 +114,7 @@ def _draw_staleness(axis: Any, records: list[dict[str, Any]], bound: float | Non
         steps.set_ylabel("updates behind", color="tab:orange", fontsize=8)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# logra-plot: several runs side by side
-
-
-@dataclass
-class Run:
-    """One run directory: its resolved config, its metrics records, and the eval keys it logged."""
-
-    path: Path
-    config: dict[str, Any]
-    records: list[dict[str, Any]]
-    label: str = ""
-    pass1_key: str | None = field(init=False, default=None)
-    passk_key: str | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        self.pass1_key, self.passk_key = _eval_keys(self.config, self.records)
-
-    @property
-    def optimizer(self) -> str:
-        return str(_get(self.config, "optimizer.name") or DASH)
-
-    def series(self, key: str | None) -> tuple[list[int], list[float]]:
-        """(steps, values) of `key`, skipping records without it or with null (a value that could not be computed)."""
-        points = [(r["step"], float(r[key])) for r in self.records if key and r.get(key) is not None]
-        return [s for s, _ in points], [v for _, v in points]
-
-    def values(self, key: str | None) -> list[float]:
-        return self.series(key)[1]
-
-    @property
-    def train_steps(self) -> int:
-        """Steps that trained (any key besides eval/*): the final eval record at step = total_steps is not one."""
-        return sum(any(k != "step" and not k.startswith("eval/") for k in r) for r in self.records)
-
-
-def load_run(path: Path) -> Run:
-    """Read a run directory (or its metrics.jsonl); errors name the path and say what a run directory holds."""
-    path = Path(path)
-    if path.is_file() and path.name == "metrics.jsonl":
-        path = path.parent
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; {RUN_DIR_CONTENTS}")
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory; {RUN_DIR_CONTENTS}")
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        raise FileNotFoundError(f"{path} has no metrics.jsonl; {RUN_DIR_CONTENTS}")
-    records = _read_records(metrics)
-    if not records:
-        raise ValueError(f"{metrics} is empty: the run logged no step yet")
-    return Run(path=path, config=_read_config(path / "config.yaml"), records=records)
-
-
-def default_labels(runs: list[Run]) -> list[str]:
-    """Run dir name, with the optimizer added when the name does not say it; parent dirs added until unique."""
-    labels = []
-    for run in runs:
-        name, optimizer = run.path.name, run.optimizer
-        labels.append(name if optimizer == DASH or optimizer in name else f"{name} ({optimizer})")
-    for _ in range(2):  # experiment/run_name, then the next level up
-        counts = {label: labels.count(label) for label in labels}
-        if all(count == 1 for count in counts.values()):
-            return labels
-        labels = [
-            f"{run.path.resolve().parent.name}/{label}" if counts[label] > 1 else label
-            for run, label in zip(runs, labels, strict=True)
-        ]
-    return [f"{label} #{i}" if labels.count(label) > 1 else label for i, label in enumerate(labels, 1)]
-
-
-def summarize(run: Run) -> dict[str, str]:
-    """The table row of one run: the numbers the figure shows, reduced to one value each."""
-    rewards = run.values("reward/mean")
-    total_steps = _get(run.config, "trainer.total_steps")
-    steps = str(run.train_steps) if total_steps in (None, run.train_steps) else f"{run.train_steps}/{total_steps}"
-    last_step = run.records[-1]["step"]
-    updates = run.values("perf/updates_per_hour")
-    timings = run.values("timing_s/step")
-    sync_bytes = _sync_bytes(run)
-    held, over = heldout_points(run.records), _over_heldout(run.records)
-    refusals = run.values(REFUSED)
-    return {
-        "run": run.label,
-        "optimizer": run.optimizer,
-        "steps": steps,
-        "reward first 5": _num(_mean(rewards[:5]), ".3f"),
-        "reward last 5": _num(_mean(rewards[-5:]), ".3f"),
-        "eval pass@1 at start": _first_eval(run, run.pass1_key),
-        "eval pass@1": _final_eval(run, run.pass1_key, last_step),
-        "eval pass@k": _final_eval(run, run.passk_key, last_step),
-        "KL realised (mean)": _num(_mean(run.values(KL_REALIZED)), ".2e"),
-        "KL predicted (mean)": _num(_mean(run.values(KL_PREDICTED)), ".2e"),
-        f"held-out KL > {HELDOUT_FACTOR:g}× budget": f"{len(over)} / {len(held)}" if held else DASH,
-        "updates refused": _num(sum(refusals) if refusals else None, ".0f"),
-        "mem avg GiB": _num(_mean(run.values("memory/train_avg_gib")), ".2f"),
-        "mem peak GiB": _num(max(run.values("memory/train_peak_gib"), default=None), ".2f"),
-        "sync KiB/step": _num(_mean(sync_bytes) / 1024 if sync_bytes else None, ",.0f"),
-        "updates/h (median)": _num(statistics.median(updates) if updates else None, ",.0f"),
-        "wall time": _duration(sum(timings)) if timings else DASH,
-    }
-
-
-def comparison_rows(runs: list[Run]) -> list[dict[str, str]]:
-    """One `summarize` row per run; k goes into the pass@k header when the runs share it, else into each cell."""
-    ks = {_k(run.passk_key) for run in runs if run.passk_key}
-    header = f"eval pass@{next(iter(ks))}" if len(ks) == 1 else "eval pass@k"
-    rows = []
-    for run in runs:
-        row = summarize(run)
-        if len(ks) > 1 and row["eval pass@k"] != DASH:
-            row["eval pass@k"] += f" (k={_k(run.passk_key)})"
-        rows.append({(header if column == "eval pass@k" else column): value for column, value in row.items()})
-    return rows
-
-
-def markdown_table(rows: list[dict[str, str]]) -> str:
-    """A GitHub markdown table; every column but the run label and optimizer is right-aligned."""
-    columns = list(rows[0])
-    align = [":---" if column in ("run", "optimizer") else "---:" for column in columns]
-    lines = [columns, align, *([row[c].replace("|", "\\|") for c in columns] for row in rows)]
-    return "\n".join(f"| {' | '.join(line)} |" for line in lines) + "\n"
-
-
-def plot_comparison(runs: list[Run], output: Path, smooth: int = 10) -> Path:
-    """A 2×3 grid: reward (smoothed over `smooth` steps, raw faint), eval pass@1, pass@k, KL, memory, updates/hour."""
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {run.label: colors[i % len(colors)] for i, run in enumerate(runs)}
-    figure, axes = plt.subplots(2, 3, figsize=(17, 9))
-    reward, pass1, passk, kl, memory, speed = axes.flat
-
-    for run in runs:
-        steps, values = run.series("reward/mean")
-        if steps:
-            reward.plot(steps, values, color=color[run.label], alpha=0.2, linewidth=0.8)
-            reward.plot(steps, _moving_average(values, smooth), color=color[run.label], label=run.label)
-    reward.set_title(f"reward/mean (moving average over {smooth} steps)" if smooth > 1 else "reward/mean")
-
-    ks = {_k(run.passk_key) for run in runs if run.passk_key}
-    for axis, attribute in ((pass1, "pass1_key"), (passk, "passk_key")):
-        for run in runs:
-            key = getattr(run, attribute)
-            steps, values = run.series(key)
-            if steps:
-                label = run.label if attribute == "pass1_key" or len(ks) == 1 else f"{run.label} (k={_k(key)})"
-                axis.plot(steps, values, color=color[run.label], marker="o", markersize=4, label=label)
-        axis.set_ylim(-0.02, 1.02)
-    pass1.set_title("eval pass@1")
-    passk.set_title(f"eval pass@{ks.pop()}" if len(ks) == 1 else "eval pass@k")
-
-    any_held = any_over = any_refused = False
-    for run in runs:
-        for key, style in KL_STYLES.items():
-            steps, values = run.series(key)
-            kept = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # log scale: zero KL has no place
-            if kept:
-                kl.plot(*zip(*kept, strict=True), color=color[run.label], label=f"{run.label} {KL_NAMES[key]}", **style)
-        if held := heldout_points(run.records):
-            kl.plot([p[0] for p in held], [p[1] for p in held], **HELDOUT_STYLE, color=color[run.label])
-            any_held = True
-        if over := _over_heldout(run.records):
-            kl.plot(*zip(*over, strict=True), **OVER_BOUND_STYLE, label=f"{run.label} over bound")
-            any_over = True
-        if refused := _refused(run.records):
-            kl.plot(*zip(*refused, strict=True), **REFUSED_STYLE, color=color[run.label], label=f"{run.label} refused")
-            any_refused = True
-    kl.set_title("KL per token: realised, predicted, held out, budget")
-    if kl.lines:
-        kl.set_yscale("log")
-        handles = [Line2D([], [], color="gray", **style) for style in KL_STYLES.values()]
-        names = list(KL_NAMES.values())
-        if any_held:  # the markers are explained only where they appear
-            handles.append(Line2D([], [], **HELDOUT_STYLE, color="gray"))
-            names.append("held out (rows the guard never saw)")
-        if any_over:
-            handles.append(Line2D([], [], **OVER_BOUND_STYLE))
-            names.append(f"held out > {HELDOUT_FACTOR:g}× budget")
-        if any_refused:
-            handles.append(Line2D([], [], **REFUSED_STYLE, color="gray"))
-            names.append("update refused (at its budget)")
-        kl.legend(handles, names, fontsize=8)
-    else:
-        _note(kl, "no logra/kl_* metrics (no LoGRA run)")
-
-    labels = [run.label for run in runs]
-    positions = list(range(len(runs)))
-    averages = [_mean(run.values("memory/train_avg_gib")) for run in runs]
-    peaks = [max(run.values("memory/train_peak_gib"), default=None) for run in runs]
-    width = 0.38
-    for offset, values, hatch in ((-width / 2, averages, "//"), (width / 2, peaks, None)):
-        bars = memory.bar(
-            [p + offset for p in positions],
-            [v or 0.0 for v in values],
-            width,
-            color=[color[label] for label in labels],
-            alpha=0.55 if hatch else 0.95,
-            hatch=hatch,
-            edgecolor="black",
-            linewidth=0.5,
-        )
-        memory.bar_label(bars, labels=[_num(v, ".2f").replace(DASH, "no data") for v in values], fontsize=8)
-    memory.set_title("train worker memory (GiB): average and peak")
-    handles = [Patch(facecolor="lightgray", hatch="//", edgecolor="black"), Patch(facecolor="gray", edgecolor="black")]
-    memory.legend(handles, ["average", "peak"], fontsize=8, loc="lower right")
-
-    medians = [statistics.median(v) if (v := run.values("perf/updates_per_hour")) else None for run in runs]
-    bars = speed.bar(positions, [m or 0.0 for m in medians], 0.6, color=[color[label] for label in labels])
-    speed.bar_label(bars, labels=[_num(m, ",.0f").replace(DASH, "no data") for m in medians], fontsize=8)
-    speed.set_title("optimizer updates per hour (median over steps)")
-
-    rotate = max(map(len, labels)) > 12
-    for axis in (memory, speed):
-        axis.set_xticks(positions, labels, rotation=20 if rotate else 0, ha="right" if rotate else "center")
-        axis.margins(y=0.12)
-    for axis in (reward, pass1, passk, kl):
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-        if not axis.lines and axis is not kl:
-            _note(axis, "no values logged")
-    for axis in (reward, pass1, passk):
-        if axis.lines:
-            axis.legend(fontsize=8)
-    figure.suptitle(" vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs", fontsize=13)
-    figure.tight_layout()
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-    return Path(output)
-
-
-def plot_main(argv: list[str] | None = None) -> int:
-    """`logra-plot RUN_DIR [RUN_DIR ...]`: writes comparison.png and comparison.md, prints the table; 0 on success."""
-    parser = argparse.ArgumentParser(
-        prog="logra-plot",
-        description="Compare runs side by side: a PNG of reward, eval, KL, memory, speed and a markdown table.",
-    )
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="outputs/<experiment_name>/<run_name>/")
-    parser.add_argument("--out", type=Path, help="output directory (default: <first run's parent>/compare)")
-    parser.add_argument("--labels", help="comma-separated labels, one per run (default: from run dir and optimizer)")
-    parser.add_argument("--smooth", type=int, default=10, help="moving-average window for reward, in steps (1 = raw)")
-    args = parser.parse_args(argv)
-    if args.smooth < 1:
-        parser.error(f"--smooth must be at least 1, got {args.smooth}")
-    out = args.out or args.runs[0].resolve().parent / "compare"
-    runs = []
-    for path in args.runs:
-        if path.resolve() == out.resolve() and not (path / "metrics.jsonl").exists():
-            print(f"logra-plot: skipping {path}: it is this command's output directory", file=sys.stderr)
-            continue  # `logra-plot outputs/quickstart/*` a second time picks up the compare/ it wrote
-        try:
-            runs.append(load_run(path))
-        except (OSError, ValueError) as error:
-            print(f"logra-plot: {error}", file=sys.stderr)
-            return 2
-    if not runs:
-        print("logra-plot: no run directories left to compare", file=sys.stderr)
-        return 2
-    labels = [label.strip() for label in args.labels.split(",")] if args.labels else default_labels(runs)
-    if len(labels) != len(runs) or len(set(labels)) != len(labels):
-        print(f"logra-plot: --labels needs {len(runs)} distinct labels, got {labels}", file=sys.stderr)
-        return 2
-    for run, label in zip(runs, labels, strict=True):
-        run.label = label
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(comparison_rows(runs))
-    (out / "comparison.md").write_text(table)
-    png = plot_comparison(runs, out / "comparison.png", smooth=args.smooth)
-    print(table)
-    print(f"logra-plot: wrote {png} and {out / 'comparison.md'}")
-    return 0
-
-
-def _read_records(metrics: Path) -> list[dict[str, Any]]:
+def read_records(metrics: Path) -> list[dict[str, Any]]:
     records = []
     for number, line in enumerate(metrics.read_text().splitlines(), 1):
         if not line.strip():
@@ -409,11 +129,9 @@ def _read_records(metrics: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     """The resolved config.yaml, or {} without one: only the optimizer name, eval k, step count and the KL guard's
     max_overshoot come from it (a run saved under old key names reads in the new ones)."""
-    from logra_rl.config import migrate_keys  # here: the config pulls in torch, which a plot does not need
-
     if not path.is_file():
         return {}
     try:
@@ -424,7 +142,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _max_overshoot(config: dict[str, Any]) -> float:
-    value = _get(config, "logra.kl.max_overshoot")
+    value = config_value(config, "logra.kl.max_overshoot")
     return float(value) if isinstance(value, int | float) else DEFAULT_MAX_OVERSHOOT
 
 
@@ -450,83 +168,19 @@ def heldout_points(records: list[dict[str, Any]]) -> list[tuple[int, float, floa
     return sorted(points)
 
 
-def _over_heldout(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+def over_heldout(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """(step, KL) of the held-out points past HELDOUT_FACTOR × their budget."""
     return [(step, kl) for step, kl, budget in heldout_points(records) if kl > HELDOUT_FACTOR * budget]
 
 
-def _refused(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+def refused_updates(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """(step, budget) of steps whose update the guard refused: nothing was committed, so there is no realised KL to
     mark and the budget stands in for it."""
     return [(r["step"], float(r[KL_BUDGET])) for r in records if r.get(REFUSED) and r.get(KL_BUDGET) is not None]
 
 
-def _eval_keys(config: dict[str, Any], records: list[dict[str, Any]]) -> tuple[str | None, str | None]:
-    """The pass@1 and pass@k keys: k = eval.samples, the task from the keys (task.name may differ from
-    data.task, e.g. for reasoning_gym), preferring data.task when several tasks were evaluated."""
-    keys = {key for record in records for key in record if re.fullmatch(r"eval/.+/pass@\d+", key)}
-    tasks = sorted({key.rsplit("/", 1)[0] for key in keys})
-    if not tasks:
-        return None, None
-    prefix = f"eval/{_get(config, 'data.task')}"
-    prefix = prefix if prefix in tasks else tasks[0]
-    k = _get(config, "eval.samples")
-    ks = sorted(_k(key) for key in keys if key.startswith(f"{prefix}/pass@"))
-    pass1 = f"{prefix}/pass@1" if 1 in ks else None
-    passk = f"{prefix}/pass@{k}" if k in ks else f"{prefix}/pass@{ks[-1]}"
-    return pass1, passk
-
-
-def _first_eval(run: Run, key: str | None) -> str:
-    """The first eval value (step 0 in a run that evaluates before training)."""
-    steps, values = run.series(key)
-    return f"{values[0]:.3f}" if steps else DASH
-
-
-def _sync_bytes(run: Run) -> list[float]:
-    """Bytes sent to the engines per train step: the payloads plus any full resync."""
-    records = [r for r in run.records if "sync/payload_bytes" in r]
-    return [r["sync/payload_bytes"] + r.get("sync/full_resync_bytes", 0.0) for r in records]
-
-
-def _final_eval(run: Run, key: str | None, last_step: int) -> str:
-    """The last eval value; its step is added when it is not the run's last record (e.g. the final eval is missing)."""
-    steps, values = run.series(key)
-    if not steps:
-        return DASH
-    return f"{values[-1]:.3f}" if steps[-1] == last_step else f"{values[-1]:.3f} @ step {steps[-1]}"
-
-
-def _get(config: dict[str, Any], dotted: str) -> Any:
+def config_value(config: dict[str, Any], dotted: str) -> Any:
     node: Any = config
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node
-
-
-def _k(key: str | None) -> int:
-    return int(key.rsplit("@", 1)[1]) if key else 0
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values, so the curve starts at step 0 rather than `window` steps in."""
-    return [_mean(values[max(0, i + 1 - window) : i + 1]) or 0.0 for i in range(len(values))]
-
-
-def _num(value: float | None, spec: str) -> str:
-    return DASH if value is None else format(value, spec)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def _note(axis: Any, text: str) -> None:
-    axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes, color="gray")

@@ -8,7 +8,7 @@ preset and several seeds, each pair on the same cores.
 
 `--pinned` (the default) runs both loops with `cluster.pin_cores=true`: each group on its own cores for the whole
 run, as on GPUs; `--shared` keeps the CPU default (both groups' threads on every core). Runs go one at a time
-(side by side they would measure contention) into OUT/runs/<arm>/seed<k>/ (`logra_rl.utils.bench_runs`; a
+(side by side they would measure contention) into OUT/runs/<arm>/seed<k>/ (`logra_rl.apps.bench_runs`; a
 finished run is not rerun). Per run and per seed pair:
 - updates per hour: 3600 × committed updates / the wall seconds of steps 1..N−1 (step 0 pays the start-up);
   the asynchronous over the synchronous run of the same seed;
@@ -31,8 +31,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from logra_rl.utils.bench_runs import finished, launch, run_dir, spread
-from logra_rl.utils.plot import Run, load_run
+from logra_rl.apps.bench_runs import finished, launch, run_dir, spread
+from logra_rl.apps.plot import Run, load_run
 
 PINNED = "cluster.pin_cores=true cluster.device=cpu"
 LAST = 20  # steps the reward comparison averages

@@ -28,10 +28,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from logra_rl.apps.bench_runs import child_result, print_child_result
 from logra_rl.logra import KLRows, jvp_kl
 from logra_rl.models.shapes import QWEN25_1P5B
 from logra_rl.rl import head_logprobs, token_logprobs
-from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
 from logra_rl.utils.timing import timed
 

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from logra_rl.apps.bench_runs import child_result, print_child_result
 from logra_rl.logra import (
     DEFAULT_TARGET_MODULES,
     LoGRAConfig,
@@ -51,7 +52,6 @@ from logra_rl.logra import (
     projection_seed,
 )
 from logra_rl.models.shapes import GEMMA3_27B, QUICK_TRAIN_SHAPE, QWEN25_1P5B, QWEN25_7B, TRAIN_SHAPE, Shape
-from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, RssSampler, peak_rss_bytes, rss_bytes
 from logra_rl.utils.timing import timed
 

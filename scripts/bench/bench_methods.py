@@ -37,8 +37,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from logra_rl.utils.bench_runs import finished, launch, run_dir, spread
-from logra_rl.utils.plot import Run, load_run
+from logra_rl.apps.bench_runs import finished, launch, run_dir, spread
+from logra_rl.apps.plot import Run, load_run
 
 KL = "train/kl_realized"
 EVAL_KEYS = ("pass@1", "pass@k", "cumulative_kl")

@@ -36,11 +36,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import logra_rl.logra.kl as kl
+from logra_rl.apps.bench_runs import child_result, print_child_result
 from logra_rl.config import RunConfig
 from logra_rl.logra import KLConfig, KLRows, LoGRAConfig, LoGRAOptimizer
 from logra_rl.models.footprint import model_footprint
 from logra_rl.train.optimizers import LoGRAUpdate
-from logra_rl.utils.bench_runs import child_result, print_child_result
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
 from logra_rl.utils.timing import timed
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from logra_rl.config import RunConfig
 from logra_rl.data import quickstart
 from logra_rl.models.tiny import char_tokenizer, tiny_model
-from logra_rl.orchestration.controller import Controller
+from logra_rl.orchestration.controller import started
 from logra_rl.utils.memory import GIB, peak_rss_since_reset, reset_peak_rss
 from logra_rl.utils.timing import timed
 
@@ -47,25 +47,23 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
                 "logger.progress=false",
             ],
         )
-    with tempfile.TemporaryDirectory() as run_dir:
-        controller = Controller(RunConfig.from_mapping(cfg), Path(run_dir), {})
-        controller.setup()
-        try:
-            processes = {"train": ray_processes("TrainWorker"), "engine": ray_processes("HFEngine")}
-            processes["driver"] = [psutil.Process()]
-            before = {role: [reset_peak_rss(p.pid) for p in procs] for role, procs in processes.items()}
-            resyncs, seconds = timed(
-                lambda: [controller.weight_sync.full_resync(controller.policy_version) for _ in range(repeats)]
-            )
-            moved, seconds = resyncs[-1], seconds / repeats
-            drift = controller.weight_sync.drift(step=0)
-            rise = {
-                role: max(peak_rss_since_reset(p.pid) - b for p, b in zip(procs, before[role], strict=True))
-                for role, procs in processes.items()
-            }
-            buckets = len(controller.weight_sync.buckets)
-        finally:
-            controller.teardown()
+    with (
+        tempfile.TemporaryDirectory() as run_dir,
+        started(RunConfig.from_mapping(cfg), Path(run_dir), {}) as controller,
+    ):
+        processes = {"train": ray_processes("TrainWorker"), "engine": ray_processes("HFEngine")}
+        processes["driver"] = [psutil.Process()]
+        before = {role: [reset_peak_rss(p.pid) for p in procs] for role, procs in processes.items()}
+        resyncs, seconds = timed(
+            lambda: [controller.weight_sync.full_resync(controller.policy_version) for _ in range(repeats)]
+        )
+        moved, seconds = resyncs[-1], seconds / repeats
+        drift = controller.weight_sync.drift(step=0)
+        rise = {
+            role: max(peak_rss_since_reset(p.pid) - b for p, b in zip(procs, before[role], strict=True))
+            for role, procs in processes.items()
+        }
+        buckets = len(controller.weight_sync.buckets)
     return {
         "bucket_mb": bucket_mb,
         "buckets": buckets,

@@ -28,7 +28,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from logra_rl.utils.plot import heldout_points, load_run
+from logra_rl.apps.plot import load_run
+from logra_rl.utils.plot import heldout_points
 
 COLLAPSE_DROP = 0.1
 FACTORS = (1.5, 2.0, 4.0)

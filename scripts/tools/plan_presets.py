@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_module
 
 from logra_rl.config import RunConfig
 from logra_rl.logra.merge import residual_bytes
-from logra_rl.models.footprint import model_footprint
+from logra_rl.models.footprint import Machine, model_footprint
 from logra_rl.models.shapes import HUB_SHAPES, PRESET_MODELS, write_model
-from logra_rl.orchestration.memory_plan import CUDA_CONTEXT_GIB, Machine, plan_memory, with_changes
+from logra_rl.orchestration.memory_plan import CUDA_CONTEXT_GIB, plan_memory, with_changes
 from logra_rl.rollout.vllm_engine import VLLM_ACTIVATION_GIB
 from logra_rl.train.optimizers import UPDATE_RULES
 from logra_rl.utils.memory import GIB

@@ -23,7 +23,7 @@ from logra_rl.logra import (
     scheduled_budget,
     step_scale,
 )
-from logra_rl.logra.kl import POSITION_CHUNK, chunked_attention
+from logra_rl.logra.kl import POSITION_CHUNK, GuardedStep, chunked_attention
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 TEMPERATURE = 0.7
@@ -466,31 +466,66 @@ def test_mismatch_subtraction_arithmetic():
     assert off.step_budget(0, mismatch_sum=10.0, mismatch_tokens=100) == 2e-4 and off.mismatch == 0
 
 
-def test_a_stale_batch_is_charged_the_behaviour_kl_its_skipped_updates_were_not_granted():
-    """A batch sampled `staleness` updates ago (algorithm.max_staleness) is expected to be the sum of those
-    updates' budgets away: only what its behaviour KL exceeds that by is charged (or the on-policy mismatch EMA
-    when larger), and a stale batch leaves the EMA as on-policy batches measured it. The floor holds."""
-    controller = KLController(KLConfig(schedule="constant", budget=2e-4))
-    controller.step_budget(0, mismatch_sum=0.1, mismatch_tokens=1000)  # EMA 3e-5 from an on-policy batch
-    # one update behind, 2.5e-4 away: 5e-5 beyond the 2e-4 granted -> δ_eff = 2e-4 − 5e-5
-    assert controller.stale_budget(1, behaviour_kl=2.5e-4, staleness=1) == pytest.approx(1.5e-4)
-    assert controller.mismatch == pytest.approx(3e-5)
-    # as far as the skipped update was allowed to move it: only the EMA is charged
-    assert controller.stale_budget(2, behaviour_kl=2e-4, staleness=1) == pytest.approx(2e-4 - 3e-5)
-    # two updates behind, 4.5e-4 away: 5e-5 beyond 2 × 2e-4
-    assert controller.stale_budget(3, behaviour_kl=4.5e-4, staleness=2) == pytest.approx(1.5e-4)
-    assert controller.stale_budget(4, behaviour_kl=1.0, staleness=1) == pytest.approx(1e-4)  # the floor, 0.5·δ
-    with pytest.raises(FloatingPointError):
-        controller.stale_budget(5, behaviour_kl=float("nan"), staleness=1)
-    # on a cosine schedule the granted part is the budgets of the updates skipped over
+def committed(controller: KLController, version: int, budget: float) -> None:
+    """An update that made `version` was committed at `budget`, as far as the controller reads the guard."""
+    controller.record(version, GuardedStep(None, budget, ((1.0, estimate(budget)),), 1.0, estimate(budget), True, 0.0))
+
+
+def estimate(kl: float) -> KLEstimate:
+    return KLEstimate(kl, kl, 10, 100)
+
+
+def test_what_a_stale_batch_shows_its_updates_overshot_is_a_debt_the_next_budgets_pay_in_full():
+    """A batch sampled `staleness` updates ago (algorithm.max_staleness) is expected to be the budgets those updates
+    were granted away, plus the engines' numerics (the behaviour KL of on-policy batches). What it is beyond that is
+    owed, whether the batch trains or is refused, and taken off the next budgets down to the floor until it is paid:
+    nothing is forgiven, with mismatch subtraction on or off, for every update (PPO epochs after the first too)."""
+    for subtraction in (True, False):
+        controller = KLController(KLConfig(schedule="constant", budget=2e-4, mismatch_subtraction=subtraction))
+        controller.observe_numerics(1e-5)  # step 0: sampled by the policy it trains
+        assert controller.numerics == 1e-5 and controller.debt == 0
+        assert controller.step_budget(0) == 2e-4
+        committed(controller, 1, 2e-4)
+        # one update behind, 5e-4 away: 2.9e-4 beyond the 2e-4 granted and the 1e-5 numerics
+        controller.owe(1, behaviour_kl=5e-4, staleness=1)
+        assert controller.debt == pytest.approx(2.9e-4)
+        assert controller.step_budget(1) == pytest.approx(1e-4)  # the floor, 0.5·δ; 1e-4 of the debt paid...
+        committed(controller, 2, 1e-4)
+        assert controller.debt == pytest.approx(1.9e-4)  # ...once the update commits
+        assert controller.step_budget(2) == pytest.approx(1e-4)  # an update the guard refuses pays nothing
+        assert controller.debt == pytest.approx(1.9e-4)
+        # a refused batch owes too: one update behind the 1e-4 granted to version 2, 3e-4 away
+        controller.owe(2, behaviour_kl=3e-4, staleness=1)
+        assert controller.debt == pytest.approx(1.9e-4 + 1.9e-4)
+        for version in range(3, 7):
+            controller.step_budget(version)
+            committed(controller, version + 1, 1e-4)
+        assert controller.debt == pytest.approx(0, abs=1e-12)  # paid 1e-4 an update, never more than owed
+        assert controller.step_budget(7) == pytest.approx(2e-4)
+        # as far as the skipped update was allowed to move it, plus the numerics: nothing owed
+        controller.owe(8, behaviour_kl=scheduled_budget(controller.config, 7) + 1e-5, staleness=1)
+        assert controller.debt == pytest.approx(0, abs=1e-12)
+        with pytest.raises(FloatingPointError):
+            controller.owe(9, behaviour_kl=float("nan"), staleness=1)
+    # the granted part on a cosine schedule: the budgets of the updates the batch is behind
     cosine = KLController(KLConfig(schedule="cosine", budget=4e-4, final_budget=1e-4, schedule_steps=3))
-    granted = scheduled_budget(cosine.config, 1)  # 2.5e-4, the budget of update 1 (the batch skipped it)
-    assert cosine.stale_budget(2, behaviour_kl=granted + 2e-5, staleness=1) == pytest.approx(1e-4 - 2e-5)
-    assert cosine.stale_budget(1, behaviour_kl=scheduled_budget(cosine.config, 0), staleness=1) == pytest.approx(
-        scheduled_budget(cosine.config, 1)
-    )
-    # what the controller granted, where it remembers it, rather than the schedule
-    cosine.granted[2] = 1e-4  # the update that made version 2 was held to less (the mismatch took its share)
-    assert cosine.stale_budget(2, behaviour_kl=1e-4 + 2e-5, staleness=1) == pytest.approx(1e-4 - 2e-5)
-    off = KLController(KLConfig(schedule="constant", budget=2e-4, mismatch_subtraction=False))
-    assert off.stale_budget(0, behaviour_kl=1e-3, staleness=1) == 2e-4  # mismatch_subtraction=false charges nothing
+    cosine.owe(2, behaviour_kl=scheduled_budget(cosine.config, 1) + 2e-5, staleness=1)
+    assert cosine.debt == pytest.approx(2e-5)
+
+
+def test_the_default_staleness_bound_follows_the_budget_and_sits_above_the_numerics():
+    """Twice what the guard lets the updates a batch is behind move the policy (max_overshoot × their budgets),
+    plus 4 × the measured numerics: late in a cosine run it follows the budget down; under bf16 numerics (~2e-3
+    per token, far above a 1e-4 budget) it stays above them instead of refusing every stale batch."""
+    cosine = KLController(KLConfig(schedule="cosine", budget=4e-4, final_budget=1e-4, schedule_steps=10))
+    assert cosine.staleness_bound(1, 1) == pytest.approx(2 * 1.5 * 4e-4)
+    assert cosine.staleness_bound(20, 1) == pytest.approx(2 * 1.5 * 1e-4)  # the schedule's end
+    assert cosine.staleness_bound(20, 2) == pytest.approx(2 * 1.5 * 2e-4)  # two updates behind (PPO epochs)
+    bf16 = KLController(KLConfig(schedule="constant", budget=1e-4, max_overshoot=1.5))
+    bf16.observe_numerics(2e-3)
+    assert bf16.staleness_bound(5, 1) == pytest.approx(3e-4 + 8e-3) and bf16.staleness_bound(5, 1) > 3 * 2e-3
+    committed(bf16, 5, 5e-5)  # where the controller remembers the budget it granted, that one
+    assert bf16.staleness_bound(5, 1) == pytest.approx(1.5e-4 + 8e-3)
+    restored = KLController(bf16.config)
+    restored.load_state_dict(bf16.state_dict())
+    assert restored.numerics == bf16.numerics and restored.staleness_bound(5, 1) == bf16.staleness_bound(5, 1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import torch
 
 from logra_rl.config import ClusterConfig, RayConfig, RolloutConfig, RunConfig, SyncConfig
 from logra_rl.orchestration.cluster import (
@@ -145,11 +146,16 @@ def test_pinned_cores_split_in_proportion_to_each_groups_gpus():
         pinned_cores(three, [0])
 
 
-def test_pin_cores_needs_the_cpu_device():
+def test_pin_cores_needs_the_cpu_device(monkeypatch):
     assert not ClusterConfig().pin_cores  # the CPU default: threads follow the phase
-    for device in ("cuda", "auto"):
-        with pytest.raises(ValueError, match=rf"cluster.pin_cores=True .* needs cluster.device=cpu \(is {device};"):
-            ClusterConfig(device=device, pin_cores=True)
+    with pytest.raises(ValueError, match=r"cluster.pin_cores=True .* needs the CPU .*is cuda"):
+        ClusterConfig(device="cuda", pin_cores=True)
+    # auto is the CPU on a machine without GPUs (this one): accepted; on a GPU machine refused before Ray starts
+    auto = RunConfig.from_mapping({"cluster": {"pin_cores": True}, "rollout": {"num_engines": 1}})
+    assert auto.cluster.device == "auto" and auto.cluster.pin_cores
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"cluster.device=auto means the GPUs on this machine"):
+        start_ray(auto)
     with pytest.raises(ValueError, match=r"cluster\.pin_cores='yes' is invalid; must be true or false"):
         ClusterConfig(device="cpu", pin_cores="yes")
     overrides = {"cluster": {"device": "cpu", "pin_cores": True}}

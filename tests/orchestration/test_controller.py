@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import UpdatePayload, split_master
-from logra_rl.orchestration.controller import Controller
+from logra_rl.orchestration.controller import started
 from logra_rl.train.api import LowRankPayloads, NoChange, PayloadRef
 from logra_rl.train.batch import pack_batch
 from tests.models.test_loading import save_as
@@ -80,9 +80,7 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
             "logger.progress=false",
         ]
     )
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
         history = [controller.step(step) for step in range(3)]
         evaluation = controller.evaluator.evaluate(3)
         # a duplicated payload is refused by the version gate; the weight sync resyncs and carries on
@@ -94,8 +92,6 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
         master = controller.train.full_state()
         grid = target_grid(controller)
         rollout = controller.rollout.weights_at(grid)[0]
-    finally:
-        controller.teardown()
 
     for metrics in history:
         missing = [key for key in REQUIRED if key not in metrics]
@@ -125,18 +121,14 @@ def test_engines_that_read_an_exact_checkpoint_start_without_a_resync(tmp_path, 
     sample exactly what they sample after one."""
     model = save_as(quickstart_model, tmp_path / "bf16", torch.bfloat16)
     cfg = run_config(["model=hf", f"model.path={model}", "trainer.prompts_per_step=8", "logger.progress=false"])
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path / "run", {})
-    controller.setup()
-    try:
-        started = capsys.readouterr().out
+    with started(RunConfig.from_mapping(cfg), tmp_path / "run", {}) as controller:
+        said = capsys.readouterr().out
         prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
         before = controller.rollout.generate(prompts, controller.sampling(), seed=3)
         controller.weight_sync.full_resync(controller.policy_version)
         after = controller.rollout.generate(prompts, controller.sampling(), seed=3)
         first = controller.step(0)
-    finally:
-        controller.teardown()
-    assert "no resync at start" in started
+    assert "no resync at start" in said
     assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in before]
     assert first["sync/drift"] == 0.0 and first["sync/payload_bytes"] > 0
 
@@ -146,12 +138,9 @@ def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_mo
     common = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
     grpo = ["algorithm=grpo", "rollout.n=4", "algorithm.epochs=2"]
     for overrides, per_step in ((["optimizer=dense", "optimizer.lr=1e-3"], 1), (grpo, 2)):
-        controller = Controller(RunConfig.from_mapping(run_config(common + overrides)), tmp_path / str(per_step), {})
-        controller.setup()
-        try:
+        config = RunConfig.from_mapping(run_config(common + overrides))
+        with started(config, tmp_path / str(per_step), {}) as controller:
             history = [controller.step(step) for step in range(2)]
-        finally:
-            controller.teardown()
         assert [m["policy/version"] for m in history] == [per_step, 2 * per_step]
         for metrics in history:
             assert metrics["sync/drift"] == 0.0 and math.isfinite(metrics["train/loss"])
@@ -167,14 +156,10 @@ def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quicks
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
     overrides += ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
     overrides += ["sync.bucket_mb=0.05"]  # ~50 kB: the merged weights stream in several buckets
-    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(run_config(overrides)), tmp_path, {}) as controller:
         assert len(controller.weight_sync.buckets) > 2
         history = [controller.step(step) for step in range(2)]
         master = controller.train.full_state()
-    finally:
-        controller.teardown()
     assert "model.layers.0.self_attn.q_proj.weight" in master and not any("lora" in k for k in master)
     for metrics in history:
         assert metrics["sync/full_resync_bytes"] > 0 and metrics["sync/payload_bytes"] == 0
@@ -194,9 +179,7 @@ def test_a_skipped_logra_update_changes_and_sends_nothing(tmp_path, quickstart_m
     """Non-finite advantages make a non-finite sketch: the update is skipped (NoChange), no payload and no
     resync reach the engines, whose weights and versions stay as they were; the next step goes on."""
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
-    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(run_config(overrides)), tmp_path, {}) as controller:
         controller.step(0)
         grid = target_grid(controller)
         versions, before = list(controller.weight_sync.engine_versions), controller.rollout.weights_at(grid)
@@ -207,8 +190,6 @@ def test_a_skipped_logra_update_changes_and_sends_nothing(tmp_path, quickstart_m
         after, master_after = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
         versions_after = list(controller.weight_sync.engine_versions)
         following = controller.step(2)
-    finally:
-        controller.teardown()
     assert isinstance(result.update, NoChange) and "NaN or Inf" in result.update.reason
     assert result.policy_version == 1 and result.metrics["train/skipped"] == 1.0
     assert "logra/alpha" not in result.metrics
@@ -227,16 +208,12 @@ def test_a_step_with_every_advantage_zero_trains_and_sends_nothing(tmp_path, qui
     resync is sent, the policy version stays, and the metrics say the step's update was skipped."""
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=4", "logger.progress=false"]
     overrides += ["algorithm=grpo", "rollout.n=4", "data.reward=tests.orchestration.fixed_reward:always_zero"]
-    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(run_config(overrides)), tmp_path, {}) as controller:
         grid = target_grid(controller)
         before, master_before = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
         history = [controller.step(step) for step in range(2)]
         after, master_after = controller.rollout.weights_at(grid), controller.train.weights_at(grid)
         versions = list(controller.weight_sync.engine_versions)
-    finally:
-        controller.teardown()
     for metrics in history:
         assert metrics["reward/mean"] == 0.0 and metrics["train/skipped"] == 1.0
         assert metrics["policy/version"] == 0.0 and versions == [0]
@@ -262,15 +239,11 @@ def test_a_gemma3_checkpoint_trains_its_nested_decoder_and_merges_in_place(tmp_p
     original = model.state_dict()
     overrides = ["model=hf", f"model.path={tmp_path / 'gemma3'}", "trainer.prompts_per_step=8"]
     overrides += ["logger.progress=false", "data.reward=tests.orchestration.fixed_reward:response_length"]
-    controller = Controller(RunConfig.from_mapping(run_config(overrides)), tmp_path / "run", {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(run_config(overrides)), tmp_path / "run", {}) as controller:
         history = [controller.step(step) for step in range(2)]
         master = controller.train.full_state()
         grid = target_grid(controller)
         rollout = controller.rollout.weights_at(grid)[0]
-    finally:
-        controller.teardown()
     assert len(controller.targets) == 14 and all(
         n.startswith("model.language_model.layers.") for n in controller.targets
     )
@@ -304,17 +277,13 @@ def test_engine_weights_that_drift_from_the_master_are_resynced_the_same_step(tm
     """No periodic resync by default: the drift check is the check. Engines whose weights differ from
     bf16(master) where the tail residual makes merges exact are resynced at once, and the run says so."""
     cfg = run_config(["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8"])
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
         state = controller.train.full_state()
         name = next(iter(controller.targets))
         state[f"{name}.weight"] = state[f"{name}.weight"] + 0.05  # an engine that missed an update, say
         controller.rollout.load_weights(ray.put(state), controller.policy_version, 0, 1)
         quiet = controller.weight_sync.sync(NoChange("nothing to send"), controller.policy_version, step=0)
         after = controller.weight_sync.drift(step=1)
-    finally:
-        controller.teardown()
     assert controller.config.sync.resync_every == 0
     assert quiet["sync/drift"] > 0.01 and quiet["sync/full_resync_bytes"] > 0
     assert after == 0.0

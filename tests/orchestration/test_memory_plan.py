@@ -11,10 +11,9 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from logra_rl.config import RunConfig
-from logra_rl.models.footprint import Part, model_footprint
+from logra_rl.models.footprint import Machine, Part, model_footprint
 from logra_rl.models.shapes import GEMMA3_27B, write_model
 from logra_rl.orchestration.memory_plan import (
-    Machine,
     MemoryPlanError,
     check_memory,
     memory_problem,
@@ -97,6 +96,24 @@ def test_generation_buffers_follow_the_datas_longest_prompt(model_dir):
     short = parts(plan_memory(config, model_dir, CPU_HOST, prompt_tokens=64).process("rollout engine"))
     long = parts(plan_memory(config, model_dir, CPU_HOST).process("rollout engine"))
     assert short["KV cache"] < long["KV cache"] and short["prefill"] * 16 == long["prefill"]
+
+
+def test_one_step_off_the_host_holds_the_engines_generation_and_the_train_step_at_once(model_dir):
+    """The synchronous loop's phases never meet, so the host needs its worst phase; one step off the engines
+    generate while the ranks train, so the host needs both phases' transients together."""
+    synchronous = run_config("data.max_prompt_length=1024")
+    overlapped = with_changes(synchronous, algorithm={"max_staleness": 1})
+    sync_plan, async_plan = (plan_memory(c, model_dir, CPU_HOST) for c in (synchronous, overlapped))
+    host = {plan: next(b.need for b in plan.budgets if b.device == "host") for plan in (sync_plan, async_plan)}
+
+    def held(plan, phase):
+        return sum(p.count * p.held(phase) for p in plan.processes)
+
+    assert host[sync_plan] == max(held(sync_plan, phase) for phase in ("loading", "training", "generating", "syncing"))
+    engines = async_plan.process("rollout engine")
+    together = held(async_plan, "training") - engines.count * (engines.held("training") - engines.held("generating"))
+    assert host[async_plan] == pytest.approx(max(host[sync_plan], together))
+    assert host[async_plan] > host[sync_plan]  # the engines' KV cache and prefill on top of the train step's
 
 
 @pytest.fixture()

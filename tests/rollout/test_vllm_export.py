@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("vllm")
 
+from logra_rl.apps.export import main as logra_export
 from logra_rl.config import RunConfig
-from logra_rl.eval.export import main as logra_export
 from logra_rl.orchestration.controller import Controller
 from logra_rl.rollout.base import EngineSpec
 from logra_rl.rollout.vllm_engine import VLLMEngine

@@ -2,8 +2,13 @@ import subprocess
 
 import pytest
 
-from logra_rl.config import OptimizerConfig, RunConfig
-from logra_rl.train.optimizers import dense_lr_factor
+from logra_rl.config import UPDATE_RULE_NAMES, OptimizerConfig, RunConfig
+from logra_rl.train.optimizers import UPDATE_RULES, dense_lr_factor
+
+
+def test_optimizer_name_choices_are_the_update_rules():
+    """The config (below the update rules) lists optimizer.name's choices itself: one per rule, in their order."""
+    assert tuple(UPDATE_RULES) == UPDATE_RULE_NAMES
 
 
 def test_dense_schedule_matches_the_paper_baseline():

@@ -180,7 +180,8 @@ def test_a_batch_staler_than_its_kl_bound_changes_no_weight_and_reports_its_beha
 
     assert fresh.policy_version == 1 and fresh.metrics["async/staleness"] == 0
     assert not isinstance(fresh.update, NoChange)
-    assert isinstance(stale.update, StaleBatch) and "algorithm.staleness_kl=0.001" in stale.update.reason
+    assert isinstance(stale.update, StaleBatch) and "> the staleness bound 0.001" in stale.update.reason
+    assert stale.metrics["async/staleness_bound"] == 1e-3
     assert stale.policy_version == 1 and stale.metrics["train/skipped"] == 1 and stale.metrics["async/staleness"] == 1
     assert all(torch.equal(before[name], after[name]) for name in before)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

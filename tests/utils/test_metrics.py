@@ -1,7 +1,6 @@
 import json
 
-from logra_rl.config import LoggerConfig
-from logra_rl.utils.metrics import MetricsLogger, current_names
+from logra_rl.utils.metrics import LoggerConfig, MetricsLogger, current_names
 
 
 def test_jsonl_records_resume_truncation_and_offline_wandb(tmp_path):

@@ -235,7 +235,7 @@ def test_a_signal_during_an_eval_stops_the_run_within_seconds(tmp_path, quicksta
     hangs 60 s; before, the run waited for the eval to end)."""
     marker = tmp_path / "grading"
     monkeypatch.setenv("LOGRA_TEST_MARKER", str(marker))  # the reward touches it: the step-0 eval is grading
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # the reward lives in tests/
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # the reward lives in tests/
     args = [
         "model=hf",
         f"model.path={quickstart_model}",

@@ -146,7 +146,7 @@ def test_a_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, case):
 
 
 def test_help_describes_the_command(capsys):
-    from logra_rl.eval.export import main
+    from logra_rl.apps.export import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from logra_rl.utils.bench_runs import child_result
+from logra_rl.apps.bench_runs import child_result
 
-PRINTS = "from logra_rl.utils.bench_runs import print_child_result; print('loading...'); print_child_result({})"
+PRINTS = "from logra_rl.apps.bench_runs import print_child_result; print('loading...'); print_child_result({})"
 
 
 def test_the_measurement_s_result_is_read_among_its_other_output():

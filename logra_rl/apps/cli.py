@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from logra_rl.config import RunConfig
     from logra_rl.utils.run_dir import RunLock
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def _options(group: str) -> list[str]:
@@ -34,7 +34,7 @@ RENAMED_GROUPS = {"rollout": "rollout.backend"}
 
 def migrate_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
     """The command line with old key names (RENAMED_KEYS, RENAMED_GROUPS) in the new ones, and a note per change."""
-    from logra_rl.config import RENAMED_KEYS
+    from logra_rl.utils.renamed_keys import RENAMED_KEYS
 
     migrated, notes = [], []
     for argument in arguments:
@@ -90,7 +90,8 @@ def _run_setup(
     """The validated config (one line and exit on a bad value or a `check` problem, leaving no run directory
     behind), the run directory, the resolved mapping, and whether the directory is fresh (it held nothing but
     Hydra's empty log: a run rejected at start-up removes it again)."""
-    from logra_rl.config import RunConfig, migrate_keys
+    from logra_rl.config import RunConfig
+    from logra_rl.utils.renamed_keys import migrate_keys
     from logra_rl.utils.run_dir import only_logs
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -107,7 +108,6 @@ def _run_setup(
     resolved, notes = migrate_keys(OmegaConf.to_container(cfg, resolve=True))  # old keys in a user's own YAML
     for note in notes:
         print(f"[{program}] {note}")
-    resolved["algorithm"]["staleness_kl"] = config.algorithm.staleness_kl  # null resolves to the bound used
     run_dir.mkdir(parents=True, exist_ok=True)
     return config, run_dir, resolved, fresh
 
@@ -130,7 +130,7 @@ def _discard(run_dir: Path) -> None:
 
 
 def _train(cfg: DictConfig) -> None:
-    from logra_rl.orchestration.controller import Controller
+    from logra_rl.orchestration.controller import started
     from logra_rl.utils.run_dir import write_atomic
 
     config, run_dir, resolved, fresh = _run_setup(cfg, "logra-train", toy_settings_problem)
@@ -148,7 +148,8 @@ def _train(cfg: DictConfig) -> None:
                 command = resume_command(sys.argv[1:], config.trainer.run_name)
                 name = config.trainer.run_name
                 print(f"[logra-train] to resume after an interruption, rerun with trainer.run_name={name}")
-            Controller(config, run_dir, resolved, resume_command=command).run()
+            with started(config, run_dir, resolved, resume_command=command) as controller:
+                controller.run()
         except Exception as error:
             _exit_with_one_line(error)
 
@@ -230,8 +231,8 @@ def toy_settings_problem(hydra_config: DictConfig) -> str | None:
 def _check_resume(run_dir: Path, resolved: dict, resume: str) -> None:
     """Refuse, changing nothing, to auto-resume a run directory whose checkpoints were made with another
     configuration, or none of whose checkpoints can be resumed: starting over would replace its history."""
-    from logra_rl.config import migrate_keys
     from logra_rl.utils.checkpoint import Checkpoints, resume_conflicts
+    from logra_rl.utils.renamed_keys import migrate_keys
 
     if resume != "auto":
         return
@@ -342,9 +343,9 @@ def _plan(cfg: DictConfig) -> None:
         sys.exit(f"logra-plan: {problem}. logra-train stops there ({RUN_ANYWAY})")
 
 
-train = hydra.main(config_path="configs", config_name="config", version_base=None)(_train)
-evaluate = hydra.main(config_path="configs", config_name="config", version_base=None)(_eval)
-plan_run = hydra.main(config_path="configs", config_name="config", version_base=None)(_plan)
+train = hydra.main(config_path="../configs", config_name="config", version_base=None)(_train)
+evaluate = hydra.main(config_path="../configs", config_name="config", version_base=None)(_eval)
+plan_run = hydra.main(config_path="../configs", config_name="config", version_base=None)(_plan)
 
 
 HELP = {
@@ -455,7 +456,7 @@ def plan_main() -> None:
 
 
 def plot() -> None:
-    from logra_rl.utils.plot import plot_main
+    from logra_rl.apps.plot import plot_main
 
     sys.exit(plot_main(sys.argv[1:]))
 

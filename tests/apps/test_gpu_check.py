@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from logra_rl import gpu_check
+from logra_rl.apps import gpu_check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 # What the GPU machine lacks; a sitecustomize hides them from every import (find_spec sees nothing).
 HIDDEN = ["hydra", "omegaconf", "antlr4", "ray", "vllm", "datasets", "reasoning_gym", "math_verify", "wandb", "pebble"]
