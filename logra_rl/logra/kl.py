@@ -464,6 +464,9 @@ class KLController:
         # KL(π_rollout ‖ π_train) per token of batches sampled by the policy trained on: the engines' numerics
         self.numerics: float | None = None
         self.debt = 0.0  # KL per token that stale batches showed earlier updates moved past their budgets
+        # step -> what the batch refused at that step owes, a debt at the next update (`carry_refused`); by step,
+        # so a step stopped after its refusal and run again on resume owes it once
+        self.refused: dict[int, float] = {}
         self._paying = 0.0  # the part of the debt the budget just given takes off, paid once its update commits
 
     def step_budget(self, update: int, mismatch_sum: float = 0.0, mismatch_tokens: int = 0) -> float:
@@ -493,16 +496,26 @@ class KLController:
         weight = self.config.mismatch_ema_weight
         self.numerics = behaviour_kl if self.numerics is None else (1 - weight) * self.numerics + weight * behaviour_kl
 
-    def owe(self, update: int, behaviour_kl: float, staleness: int) -> None:
+    def carry_refused(self) -> None:
+        """An update is made: what the batches refused before it owe joins the debt."""
+        self.debt += sum(self.refused.values())
+        self.refused.clear()
+
+    def owe(self, update: int, behaviour_kl: float, staleness: int, refused_at: int | None = None) -> None:
         """A batch sampled `staleness` updates before `update` (`algorithm.max_staleness`), trained on or refused,
         has KL(π_behaviour ‖ π_train) per token `behaviour_kl`: what that exceeds the budgets those updates were
         granted plus the engines' numerics by, they moved the policy past their budgets on the engines' own
-        samples. It is added to the debt, which the next updates' budgets pay off (`step_budget`): nothing is
-        forgiven, and the floor keeps each update moving."""
+        samples. It is added to the debt (a refused batch's at the next update, `carry_refused`), which the next
+        updates' budgets pay off (`step_budget`), down to the floor: nothing is forgiven. (A balance that batches
+        under their budgets pay back was tried: the same learning on average over 3 quickstart seeds, one seed
+        under the +0.4 gain the one-sided debt gives every seed; docs/benchmarks.md §17.)"""
         if not math.isfinite(behaviour_kl):
             raise FloatingPointError(f"behaviour KL {behaviour_kl} is not finite")
-        excess = behaviour_kl - self.granted_since(update, staleness) - (self.numerics or 0.0)
-        self.debt += max(0.0, excess)
+        excess = max(0.0, behaviour_kl - self.granted_since(update, staleness) - (self.numerics or 0.0))
+        if refused_at is not None:
+            self.refused[refused_at] = excess
+        else:
+            self.debt += excess
 
     def staleness_bound(self, update: int, updates: int) -> float:
         """The default `algorithm.staleness_kl` for a batch `updates` updates behind `update`: twice what the guard
@@ -605,6 +618,7 @@ class KLController:
             "curvature": self.curvature,
             "numerics": self.numerics,
             "debt": self.debt,
+            "refused": dict(self.refused),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -613,3 +627,4 @@ class KLController:
         self.granted = {int(v): float(b) for v, b in state.get("granted", {}).items()}
         self.curvature = state.get("curvature")
         self.numerics, self.debt = state.get("numerics"), float(state.get("debt", 0.0))
+        self.refused = {int(step): float(owed) for step, owed in state.get("refused", {}).items()}

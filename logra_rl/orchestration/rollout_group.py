@@ -41,8 +41,8 @@ def engine_class(backend: str) -> type[RolloutEngine]:
 
 
 def timed(cls: type[RolloutEngine]) -> type[RolloutEngine]:
-    """`cls` with `timed_generate`: `generate`'s completions and the wall-clock time (time.time()) it started and
-    ended in the engine's process, so the driver knows how long a generation it did not wait for took."""
+    """`cls` with `timed_generate`: `generate`'s completions and the times it started and ended in the engine's
+    process, so the driver knows how long a generation it did not wait for took."""
 
     def timed_generate(self: Any, *args: Any) -> tuple[list[Completion], float, float]:
         start = time.time()
@@ -77,7 +77,6 @@ class Generation:
 class Generated:
     completions: list[Completion]  # in prompt order, `n` per prompt
     seconds: float  # the longest engine's generation time
-    ended: float  # time.time() when the last engine finished
 
 
 class RolloutGroup:
@@ -120,11 +119,8 @@ class RolloutGroup:
         """A launched generation's completions, in prompt order; `EnginesRestarted` when engines were lost during
         it (none of its completions are kept: the caller brings the engines back and launches it again)."""
         results = self._gather(generation.refs)
-        return Generated(
-            [c for e in sorted(results) for c in results[e][0]],
-            max(end - start for _, start, end in results.values()),
-            max(end for _, _, end in results.values()),
-        )
+        completions = [c for e in sorted(results) for c in results[e][0]]
+        return Generated(completions, max(end - start for _, start, end in results.values()))
 
     def merge_modes(self) -> list[MergeMode]:
         results = self._each(lambda e, engine: engine.merge_mode.remote(), range(len(self)))

@@ -3,9 +3,9 @@
 Step t trains on batch t, sampled by the weights after step t − 1 − K, K = `max_staleness` (0 or 1). K = 0 is the
 synchronous loop: batch t is generated at step t's start. K = 1 is one step off: at step t's start batch t + 1 is
 launched on the engines (they hold the weights after step t − 1) and generated while batch t trains; the loop
-collects it before the weight sync (`settle`), so at a step's boundary the batch in flight is generated and a
-checkpoint holds it. The schedule does not depend on which group is faster, so the same command gives the same
-records, and so do a resume and a replay.
+collects it before the weight sync (`settle`), so at a step's boundary the batch in flight is generated (or known
+lost) and a checkpoint holds it. The schedule does not depend on which group is faster, so the same command gives
+the same records, and so do a resume and a replay.
 
 At most one generation is pending, as Ray object references (`RolloutGroup.launch`); nothing else orders the
 engines' work: an engine runs its calls one at a time, in the order they were made, so a payload sent after a launch
@@ -24,6 +24,7 @@ drew the one it replaces, whose samples were refused for what they were.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -90,13 +91,9 @@ class RolloutSchedule:
             rollout = self._draw(step, policy_version)
         if rollout.step != step:
             raise RuntimeError(f"batch {rollout.step} was in flight at step {step}")
-        if not rollout.lost:
-            try:
-                return self._generated(rollout, policy_version)
-            except EnginesRestarted:  # lost with a policy the trainer has moved past
-                pass
-        again = replace(rollout, policy_version=policy_version, attempt=rollout.attempt + 1, lost=False)
-        return self._generated(again, policy_version)
+        if rollout.lost:
+            rollout = replace(rollout, policy_version=policy_version, attempt=rollout.attempt + 1, lost=False)
+        return self._generated(rollout, policy_version)
 
     def launch_next(self, step: int, policy_version: int, last_step: int) -> None:
         """K = 1: launch batch step + 1 (at most `last_step`), sampled by `policy_version`, to generate while
@@ -193,9 +190,12 @@ class RolloutSchedule:
             self.ahead = rollout
 
     def abandon(self) -> None:
-        """Forget the batch in flight (a lost train group): the generation may still run on the engines, which run
-        whatever comes next (the resync) after it."""
-        self.ahead = None
+        """Forget the batch in flight (a lost train group), once its generation has ended: what comes next on the
+        engines (the resync) would otherwise wait behind it, and its time out with it."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.generation is not None:
+            with contextlib.suppress(EnginesRestarted):  # resynced with the rest
+                self.engines.collect(ahead.generation)
 
 
 @dataclass(frozen=True)

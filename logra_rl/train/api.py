@@ -53,8 +53,9 @@ class NoChange:
 
 @dataclass(frozen=True)
 class StaleBatch(NoChange):
-    """The batch was sampled by a policy further than `algorithm.staleness_kl` from the one being trained: not
-    trained on (nothing moved); the controller has its prompts sampled again by the current policy."""
+    """The batch was sampled by a policy further than the staleness bound (`algorithm.staleness_kl` or the rule's
+    default) from the one being trained: not trained on (nothing moved); the controller has its prompts generated
+    again by the current policy."""
 
 
 WeightUpdate = LowRankPayloads[P] | FullResync | NoChange

@@ -171,8 +171,8 @@ class UpdateRule(Protocol):
         """The largest behaviour KL per token a batch sampled `staleness` updates ago is trained on with
         (`algorithm.staleness_kl`, or the rule's default)."""
 
-    def refuse(self, staleness: int, behaviour_kl: float) -> None:
-        """A batch `staleness` updates old was refused for its behaviour KL (nothing trained on it)."""
+    def refuse(self, step: int, staleness: int, behaviour_kl: float) -> None:
+        """A batch `staleness` updates old was refused at `step` for its behaviour KL (nothing trained on it)."""
 
     def save(self, directory: Path) -> None: ...
 
@@ -293,7 +293,7 @@ class DenseUpdate:
         bound = self.staleness_kl
         return math.inf if bound is None else bound
 
-    def refuse(self, staleness: int, behaviour_kl: float) -> None:
+    def refuse(self, step: int, staleness: int, behaviour_kl: float) -> None:
         """Nothing to record: no budget."""
 
     def _realized_kl(self, before: LogitChunks, rows: KLRows) -> dict[str, float]:
@@ -416,9 +416,15 @@ class LoGRAUpdate:
         if inputs.staleness:  # the budgets of the updates the batch's behaviour KL spans: the held-out referee's
             granted = controller.budget_since(version - inputs.staleness, version)
             metrics = {"async/behaviour_kl_budget": granted} if granted is not None else {}
-            controller.owe(version, inputs.behaviour_kl, inputs.staleness)
-        elif inputs.behaviour_kl is not None:
-            controller.observe_numerics(inputs.behaviour_kl)
+        try:
+            controller.carry_refused()
+            if inputs.staleness:
+                controller.owe(version, inputs.behaviour_kl, inputs.staleness)
+            elif inputs.behaviour_kl is not None:
+                controller.observe_numerics(inputs.behaviour_kl)
+        except FloatingPointError as error:
+            opt.zero_sketches()
+            return {**metrics, "train/skipped": 1.0}, NoChange(str(error))
         try:
             sketch_norm = opt.prepare(num_tokens=inputs.num_tokens)
         except FloatingPointError as error:
@@ -478,9 +484,10 @@ class LoGRAUpdate:
             return self.staleness_kl
         return self.optimizer.kl_controller.staleness_bound(self.version, staleness)
 
-    def refuse(self, staleness: int, behaviour_kl: float) -> None:
+    def refuse(self, step: int, staleness: int, behaviour_kl: float) -> None:
         """The refused batch's excess over its updates' budgets is a debt too (`KLController.owe`)."""
-        self.optimizer.kl_controller.owe(self.version, behaviour_kl, staleness)
+        if math.isfinite(behaviour_kl):
+            self.optimizer.kl_controller.owe(self.version, behaviour_kl, staleness, refused_at=step)
 
     def save(self, directory: Path) -> None:
         if _is_rank0():

@@ -288,9 +288,9 @@ class TrainWorker:
                 bound = self.rule.staleness_bound(staleness) if staleness else math.inf
                 if step == 0:
                     algorithm.check_staleness_bound(behaviour_kl)
-                if behaviour_kl > bound:
+                if behaviour_kl > bound or (staleness and not math.isfinite(behaviour_kl)):
                     self.rule.drop_backward()  # nothing moves: the controller has the batch sampled again
-                    self.rule.refuse(staleness, behaviour_kl)
+                    self.rule.refuse(step, staleness, behaviour_kl)
                     reason = f"stale batch: behaviour KL {behaviour_kl:.3g} > the staleness bound {bound:.3g}"
                     metrics = {"train/skipped": float(algorithm.epochs), **timer.seconds}
                     return metrics | self._staleness_metrics(staleness, behaviour_kl, bound), StaleBatch(reason)

@@ -21,7 +21,7 @@ KL_REALIZED, KL_PREDICTED, KL_BUDGET = "train/kl_realized", "logra/kl_predicted"
 REFUSED = "logra/overshoot_refused"
 BEHAVIOUR_KL = "async/behaviour_kl"  # KL(π_behaviour ‖ π_train) per token of the batch a step trained on
 STALENESS_BOUND = "async/staleness_bound"  # the bound a stale batch's behaviour KL was read against
-REFUSED_KL = "async/refused_behaviour_kl"  # that of a batch past algorithm.staleness_kl, sampled again
+REFUSED_KL = "async/refused_behaviour_kl"  # that of a batch past the staleness bound, generated again
 # The held-out referee: KL on rows the guard never saw, against the budget(s) of the update(s) it measures
 HELDOUT_KL, HELDOUT_BUDGET = "heldout/kl", "heldout/kl_budget"
 BEHAVIOUR_BUDGET = "async/behaviour_kl_budget"

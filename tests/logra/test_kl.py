@@ -494,17 +494,32 @@ def test_what_a_stale_batch_shows_its_updates_overshot_is_a_debt_the_next_budget
         assert controller.debt == pytest.approx(1.9e-4)  # ...once the update commits
         assert controller.step_budget(2) == pytest.approx(1e-4)  # an update the guard refuses pays nothing
         assert controller.debt == pytest.approx(1.9e-4)
-        # a refused batch owes too: one update behind the 1e-4 granted to version 2, 3e-4 away
-        controller.owe(2, behaviour_kl=3e-4, staleness=1)
-        assert controller.debt == pytest.approx(1.9e-4 + 1.9e-4)
+        # a refused batch owes too: one update behind the 1e-4 granted to version 2, 3e-4 away; a debt once its
+        # step trains on the batch generated again (a step stopped before then refuses it again when it reruns)
+        controller.owe(2, behaviour_kl=3e-4, staleness=1, refused_at=7)
+        stopped = controller.state_dict()  # a checkpoint while it is generated again: the step reruns on resume
+        controller.owe(2, behaviour_kl=3e-4, staleness=1, refused_at=7)  # refused again by the rerun: owed once
+        assert controller.debt == pytest.approx(1.9e-4) and controller.refused == {7: pytest.approx(1.9e-4)}
+        controller.carry_refused()
+        assert controller.debt == pytest.approx(1.9e-4 + 1.9e-4) and controller.refused == {}
+        resumed = KLController(controller.config)
+        resumed.load_state_dict(stopped)
+        resumed.owe(2, behaviour_kl=3e-4, staleness=1, refused_at=7)
+        resumed.carry_refused()
+        assert resumed.debt == pytest.approx(controller.debt)
         for version in range(3, 7):
             controller.step_budget(version)
             committed(controller, version + 1, 1e-4)
         assert controller.debt == pytest.approx(0, abs=1e-12)  # paid 1e-4 an update, never more than owed
         assert controller.step_budget(7) == pytest.approx(2e-4)
         # as far as the skipped update was allowed to move it, plus the numerics: nothing owed
-        controller.owe(8, behaviour_kl=scheduled_budget(controller.config, 7) + 1e-5, staleness=1)
+        expected = scheduled_budget(controller.config, 7) + 1e-5
+        controller.owe(8, behaviour_kl=expected, staleness=1)
         assert controller.debt == pytest.approx(0, abs=1e-12)
+        # one-sided: a batch under its updates' budgets owes nothing and pays nothing back
+        controller.owe(8, behaviour_kl=expected + 5e-5, staleness=1)
+        controller.owe(8, behaviour_kl=expected - 3e-5, staleness=1)
+        assert controller.debt == pytest.approx(5e-5)
         with pytest.raises(FloatingPointError):
             controller.owe(9, behaviour_kl=float("nan"), staleness=1)
     # the granted part on a cosine schedule: the budgets of the updates the batch is behind

@@ -41,7 +41,7 @@ class FakeEngines:
             self.version = -1
             raise EnginesRestarted([0], "killed")
         completions = [Completion(p, [seed % 1000, i], [-0.5, -0.25], True, version) for p in prompts for i in range(N)]
-        return Generated(completions, 0.5, 0.0)
+        return Generated(completions, 0.5)
 
     def resync(self, version, engines):
         self.resyncs.append((version, engines))
