@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 
 from logra_rl.config import RunConfig  # noqa: E402
 from logra_rl.logra import PayloadMerger  # noqa: E402
-from logra_rl.orchestration.controller import Controller  # noqa: E402
+from logra_rl.orchestration.controller import started  # noqa: E402
 from logra_rl.rollout.base import EngineSpec  # noqa: E402
 from logra_rl.rollout.vllm_engine import MAX_NUM_SEQS, cpu_kv_cache_gib, kv_bytes_per_token  # noqa: E402
 from logra_rl.rollout.vllm_worker import in_place_targets  # noqa: E402
@@ -42,17 +42,13 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
             "logger.progress=false",
         ]
     )
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
         assert len(controller.weight_sync.buckets) > 2
         history = [controller.step(step) for step in range(3)]
         result = controller.train.train_step(next_batch(controller), 3)
         twice = LowRankPayloads(result.update.payloads * 2)  # the second copy is refused → full resync
         duplicate = controller.weight_sync.sync(twice, result.policy_version, step=3)
         history.append(controller.step(4))
-    finally:
-        controller.teardown()
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values())
         assert metrics["sync/drift"] == 0.0
@@ -80,12 +76,8 @@ def test_a_tensor_parallel_engine_starts_in_its_placement_group_and_stays_exact(
             "logger.progress=false",
         ]
     )
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
         history = [controller.step(step) for step in range(2)]
-    finally:
-        controller.teardown()
     for metrics in history:
         assert metrics["sync/drift"] == 0.0
         assert abs(metrics["train/mismatch"]) <= 1e-2, metrics["train/mismatch"]
@@ -207,9 +199,7 @@ def test_a_killed_vllm_engine_is_restarted_resynced_and_samples_the_same_tokens(
     """kill -9 of a vLLM engine's process: Ray restarts it in its bundle, the weight sync's full resync brings it
     to the merged policy, and the lost call, made again with the same seed, returns the same tokens."""
     cfg = run_config(["model=hf", f"model.path={quickstart_model}", "rollout.backend=vllm", "logger.progress=false"])
-    controller = Controller(RunConfig.from_mapping(cfg), tmp_path, {})
-    controller.setup()
-    try:
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
         controller.step(0)  # the engine now holds a merged update, which the checkpoint on disk does not
         prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
         before = controller.rollout.generate(prompts, controller.sampling(), seed=11)
@@ -217,8 +207,6 @@ def test_a_killed_vllm_engine_is_restarted_resynced_and_samples_the_same_tokens(
         os.kill(ray.get(engine.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
         after = controller.weight_sync.retried(lambda: controller.rollout.generate(prompts, controller.sampling(), 11))
         step = controller.step(1)
-    finally:
-        controller.teardown()
     assert controller.rollout.restarts == 1 and step["fault/engine_restarts"] == 1
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
     assert [c.logprobs for c in after] == [c.logprobs for c in before]

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from logra_rl.apps.export import main as logra_export
 from logra_rl.config import RunConfig
-from logra_rl.orchestration.controller import Controller
+from logra_rl.orchestration.controller import started
 from logra_rl.rollout.base import EngineSpec
 from logra_rl.rollout.vllm_engine import VLLMEngine
 from tests.orchestration.test_controller import run_config
@@ -30,14 +30,10 @@ def test_vllm_on_the_export_samples_what_the_runs_engine_sampled(tmp_path, quick
     )
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))  # as logra-train writes it
     config = RunConfig.from_mapping(cfg)
-    controller = Controller(config, tmp_path, {})
-    controller.setup()
-    try:
+    with started(config, tmp_path, {}) as controller:
         controller.run_step(0)  # the engine merges the step's LoGRA update; the checkpoint step_1 holds the masters
         prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
         sampled = controller.rollout.generate(prompts, controller.sampling(), seed=11)
-    finally:
-        controller.teardown()
 
     logra_export([str(tmp_path), str(tmp_path / "exported")])  # bf16 by default
     assert "step 1" in capsys.readouterr().out
