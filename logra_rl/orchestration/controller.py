@@ -214,12 +214,8 @@ class Controller:
         self.preemption = preemption
         self.resources = resources  # what `started` started, stopped in reverse when its block ends
         self.model_path, self.targets, self.workload = parts.model_path, parts.targets, parts.workload
-        self.train, self.rollout, self.grader, self.checkpoints = (
-            parts.train,
-            parts.rollout,
-            parts.grader,
-            parts.checkpoints,
-        )
+        self.train, self.rollout, self.grader = parts.train, parts.rollout, parts.grader
+        self.checkpoints = parts.checkpoints
         self.evaluator = Evaluator(config, self.workload, self.rollout, self.grader, run_dir)
         self.weight_sync = WeightSync(config, self.train, self.rollout, self.targets)
         self.baseline = RunningBaseline(algorithm.baseline_weight, algorithm.failure_reward, success_threshold=1.0)

@@ -41,13 +41,13 @@ def engine_class(backend: str) -> type[RolloutEngine]:
 
 
 def timed(cls: type[RolloutEngine]) -> type[RolloutEngine]:
-    """`cls` with `timed_generate`: `generate`'s completions and the times it started and ended in the engine's
-    process, so the driver knows how long a generation it did not wait for took."""
+    """`cls` with `timed_generate`: `generate`'s completions and the seconds it took in the engine's process, so the
+    driver knows how long a generation it did not wait for took."""
 
-    def timed_generate(self: Any, *args: Any) -> tuple[list[Completion], float, float]:
-        start = time.time()
+    def timed_generate(self: Any, *args: Any) -> tuple[list[Completion], float]:
+        start = time.monotonic()
         completions = cls.generate(self, *args)
-        return completions, start, time.time()
+        return completions, time.monotonic() - start
 
     return type(cls.__name__, (cls,), {"timed_generate": timed_generate, "__doc__": cls.__doc__})
 
@@ -120,7 +120,7 @@ class RolloutGroup:
         it (none of its completions are kept: the caller brings the engines back and launches it again)."""
         results = self._gather(generation.refs)
         completions = [c for e in sorted(results) for c in results[e][0]]
-        return Generated(completions, max(end - start for _, start, end in results.values()))
+        return Generated(completions, max(seconds for _, seconds in results.values()))
 
     def merge_modes(self) -> list[MergeMode]:
         results = self._each(lambda e, engine: engine.merge_mode.remote(), range(len(self)))
