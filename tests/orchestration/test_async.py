@@ -7,6 +7,7 @@ generated again, through a SIGTERM and resume or an engine kill as if neither ha
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -69,7 +70,11 @@ def test_an_engine_killed_during_the_overlap_is_restarted_and_the_batch_generate
     args = [*short_job(quickstart_model, checkpoint_every=0), *ONE_STEP_OFF, "trainer.run_name=overlap"]
     process = launch(args, tmp_path)
     wait_for_records(process, run_dir, 6)  # step 6 starts: it launches batch 7 and trains on batch 6
-    os.kill(actor_processes(process, "HFEngine")[-1].pid, signal.SIGKILL)
+    [engine] = actor_processes(process, "HFEngine")
+    deadline = time.monotonic() + 60
+    while not engine.cmdline()[0].startswith("ray::HFEngine.timed_generate") and time.monotonic() < deadline:
+        time.sleep(0.001)  # Ray titles the process with the method it runs: killed while it generates
+    os.kill(engine.pid, signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     assert "is generated again by the next policy" in stdout and "rebuilding" not in stdout, stdout[-3000:]
