@@ -28,13 +28,23 @@ from logra_rl.logra.merge import (
     MergeTarget,
     PayloadMerger,
     PayloadRefused,
+    adapter_change,
     hf_targets,
     join_master,
+    merge_adapters,
     merge_low_rank_,
     split_master,
 )
 from logra_rl.logra.optimizer import LoGRAOptimizer
-from logra_rl.logra.payload import PayloadEntry, PayloadFormatError, UpdatePayload
+from logra_rl.logra.payload import (
+    AdapterEntry,
+    AdapterPayload,
+    Payload,
+    PayloadEntry,
+    PayloadFormatError,
+    UpdatePayload,
+    parse_payload,
+)
 from logra_rl.logra.projection import canonical_name, make_projection, projection_fingerprint, projection_seed
 from logra_rl.logra.rowadam import row_adam_direction
 from logra_rl.logra.targets import check_rank, decoder_layers, decoder_of, find_targets
@@ -43,6 +53,8 @@ __all__ = [
     "ATTENTION_BLOCK",
     "DEFAULT_TARGET_MODULES",
     "POSITION_CHUNK",
+    "AdapterEntry",
+    "AdapterPayload",
     "GuardedStep",
     "KLConfig",
     "KLController",
@@ -52,12 +64,14 @@ __all__ = [
     "LoGRAOptimizer",
     "LogitChunks",
     "MergeTarget",
+    "Payload",
     "PayloadEntry",
     "PayloadFormatError",
     "PayloadMerger",
     "PayloadRefused",
     "ProbeError",
     "UpdatePayload",
+    "adapter_change",
     "canonical_name",
     "check_rank",
     "decoder_layers",
@@ -71,7 +85,9 @@ __all__ = [
     "kl_estimate",
     "make_projection",
     "masked_logits",
+    "merge_adapters",
     "merge_low_rank_",
+    "parse_payload",
     "predicted_kl",
     "projection_fingerprint",
     "projection_seed",

@@ -10,6 +10,10 @@ The `tail` residual carries the same information in 2 bytes instead of 4: the ma
 pattern minus the bf16 weight's, an int16 (`split_master` / `join_master`). bf16 + tail is the
 master bit for bit; the weight is bf16(master) except at exact ties (see `split_master`).
 
+A LoRA update (`AdapterPayload`) is not merged into the weight: a target that holds its `base` is set to
+base + scale·B·A (`adapter_change`, fp32, one rounding), the value the trainer computes for the same adapters,
+so the copy stays at bf16 of the trainer's merged weight with nothing accumulated.
+
 A merge is not idempotent, so payloads are version-gated: a payload applies only on top of
 the version it was built for, and is checked completely before the first write. An error
 after the first write leaves the copy marked as needing a full resync.
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from logra_rl.logra.payload import UpdatePayload
+from logra_rl.logra.payload import AdapterPayload, UpdatePayload
 from logra_rl.logra.projection import projection_fingerprint
 
 RESIDUAL_DTYPES = {"tail": torch.int16, "float32": torch.float32, "bfloat16": torch.bfloat16, "none": None}
@@ -131,6 +135,28 @@ def low_rank_change(
     return ((factor.double() @ signs) * scale).float()
 
 
+def adapter_change(b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale·B·A as fp32: the products in float64 (exact for fp32 factors), summed over the rank and rounded
+    once, so the trainer's merged weight and every engine's (chunked, sharded) copy agree."""
+    return ((b.double() @ a.double()) * scale).float()
+
+
+def merge_adapters(state: Mapping[str, torch.Tensor], scale: float) -> tuple[dict[str, torch.Tensor], dict]:
+    """A LoRA run's weights as a resync sends them (HF names, each adapted module's base weight under its own name
+    and its adapters as `{module}.lora_A` / `{module}.lora_B`) → (HF names with every adapter merged:
+    base + adapter_change(B, A, scale), the bases by module name)."""
+    merged, bases = {}, {}
+    for name, value in state.items():
+        if name.endswith((".lora_A", ".lora_B")):
+            continue
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{module}.lora_A" in state:
+            bases[module] = value
+            value = value.float() + adapter_change(state[f"{module}.lora_B"], state[f"{module}.lora_A"], scale)
+        merged[name] = value
+    return merged, bases
+
+
 def rademacher_signs(projection: torch.Tensor) -> torch.Tensor | None:
     """A / c in float64 when every entry of A is ±c (a Rademacher projection), else None."""
     magnitude = projection.abs()
@@ -193,13 +219,28 @@ def merge_low_rank_(
 @dataclass
 class MergeTarget:
     """Where one HF module's update lands: a weight (or a row block of a fused / sharded one), its
-    residual, and which rows of U and columns of A it takes (all of them in HF layout)."""
+    residual, and which rows of U and columns of A it takes (all of them in HF layout); `base`: the fp32
+    base weight of a LoRA run's target (`PayloadMerger.hold_bases`), which adapter payloads are added to."""
 
     weight: torch.Tensor
     residual: torch.Tensor | None
     hf_shape: tuple[int, int]
     rows: slice = field(default_factory=lambda: slice(None))
     cols: slice = field(default_factory=lambda: slice(None))
+    base: torch.Tensor | None = None
+
+    def store(self, rows: slice, master: torch.Tensor) -> None:
+        """Set `rows` of the weight to round(master) and the residual to what rounding left (exact for an
+        fp32 or tail residual)."""
+        weight = self.weight[rows]
+        if self.residual is not None and self.residual.dtype == torch.int16:
+            rounded, tail = split_master(master)
+            weight.copy_(rounded)
+            self.residual[rows].copy_(tail)
+            return
+        weight.copy_(master)
+        if self.residual is not None:
+            self.residual[rows].copy_(master.float() - weight.float())
 
 
 def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "tail") -> dict[str, MergeTarget]:
@@ -239,6 +280,36 @@ def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], ve
         )
 
 
+def check_adapters(payload: AdapterPayload, targets: Mapping[str, MergeTarget], version: int) -> None:
+    """Raise PayloadRefused unless `payload` sets adapted `targets` that hold their bases, on top of `version`."""
+    if payload.new_version != payload.base_version + 1 or payload.base_version != version:
+        raise PayloadRefused(
+            f"adapter payload for version {payload.base_version} -> {payload.new_version}, these weights are at "
+            f"version {version}; resync if versions diverged"
+        )
+    if not payload.entries:
+        raise PayloadRefused("payload has no entries")
+    for entry in payload.entries:
+        target = targets.get(entry.name)
+        if target is None or target.hf_shape != (entry.d_out, entry.k_in):
+            held = None if target is None else target.hf_shape
+            raise PayloadRefused(f"adapter payload sets {entry.name!r} {(entry.d_out, entry.k_in)}; held: {held}")
+        if target.base is None:
+            raise PayloadRefused(
+                f"{entry.name!r} holds no base weight: the engine was not started for LoRA adapters (adapter_scale)"
+            )
+
+
+def _set_adapters(payload: AdapterPayload, targets: Mapping[str, MergeTarget], chunk_rows: int) -> None:
+    """Every entry's target ← base + scale·B·A, in row chunks (no full fp64 product materialised)."""
+    for entry in payload.entries:
+        target = targets[entry.name]
+        b = entry.b[target.rows].to(target.weight.device, non_blocking=True)
+        a = entry.a[:, target.cols].to(target.weight.device, non_blocking=True)
+        for rows in row_chunks(target.weight.shape[0], chunk_rows_for(chunk_rows, entry.k_in, target.weight.device)):
+            target.store(rows, target.base[rows] + adapter_change(b[rows], a, payload.scale))
+
+
 def _merge_entries(payload: UpdatePayload, targets: Mapping[str, MergeTarget], chunk_rows: int) -> None:
     for entry in payload.entries:
         target = targets[entry.name]
@@ -271,13 +342,15 @@ class PayloadMerger:
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: target.weight for name, target in self.targets.items()}
 
-    def apply(self, payload: UpdatePayload) -> None:
+    def apply(self, payload: UpdatePayload | AdapterPayload) -> None:
         """Apply one payload; refused payloads change nothing, a failed write demands a resync."""
         if self.needs_resync:
             raise PayloadRefused("these weights need a full resync before the next payload")
-        check_payload(payload, self.targets, self.version)
+        adapters = isinstance(payload, AdapterPayload)
+        (check_adapters if adapters else check_payload)(payload, self.targets, self.version)
         try:
-            _merge_entries(payload, self.targets, self.chunk_rows)
+            with torch.no_grad():
+                (_set_adapters if adapters else _merge_entries)(payload, self.targets, self.chunk_rows)
         except Exception:
             self.needs_resync = True
             raise
@@ -295,22 +368,23 @@ class PayloadMerger:
         self.needs_resync = True
         self._loaded = set()
 
-    def load(self, master: Mapping[str, torch.Tensor]) -> None:
+    def hold_bases(self) -> None:
+        """Keep an fp32 base of every target, from the weights as they are (a LoRA run's engines, whose adapters
+        start at zero): adapter payloads set each target to base + scale·B·A."""
+        for target in self.targets.values():
+            target.base = target.weight.float().clone()
+
+    def load(self, master: Mapping[str, torch.Tensor], bases: Mapping[str, torch.Tensor] | None = None) -> None:
         """Load the targets present in `master` (one part of a resync; other names are ignored): W ← round(master),
-        R ← master − W (exact for an fp32 or tail R)."""
+        R ← master − W (exact for an fp32 or tail R); and the `bases` of a LoRA run's targets."""
         with torch.no_grad():
             for name in self.targets.keys() & master.keys():
                 target = self.targets[name]
-                source = master[name][target.rows, target.cols].to(device=target.weight.device)
-                if target.residual is not None and target.residual.dtype == torch.int16:
-                    weight, tail = split_master(source)
-                    target.weight.copy_(weight)
-                    target.residual.copy_(tail)
-                    self._loaded.add(name)
-                    continue
-                target.weight.copy_(source)
-                if target.residual is not None:
-                    target.residual.copy_(source.float() - target.weight.float())
+                target.store(slice(None), master[name][target.rows, target.cols].to(device=target.weight.device))
+                if target.base is not None:
+                    if bases is None or name not in bases:
+                        raise KeyError(f"a LoRA run's resync sent {name!r} without its base weight")
+                    target.base.copy_(bases[name][target.rows, target.cols])
                 self._loaded.add(name)
 
     def finish_resync(self, version: int) -> None:

@@ -1,9 +1,10 @@
 """WeightSync: every way the trainer's weights reach the rollout engines.
 
-- a step's `LowRankPayloads` go to every engine, in order, as references: train rank 0 put each payload in
-  Ray's object store and every engine reads it from there; the engine's merger gate (the payload's base
-  version must be the engine's) is the one version check, and the versions engines report are recorded;
-- a refused payload, a dense / LoRA update (`FullResync`), engines restarted during a payload, a drift
+- a step's `LowRankPayloads` (LoGRA's updates, or a LoRA run's adapters) go to every engine, in order, as
+  references: train rank 0 put each payload in Ray's object store and every engine reads it from there; the
+  engine's merger gate (the payload's base version must be the engine's) is the one version check, and the
+  versions engines report are recorded;
+- a refused payload, a dense update (`FullResync`), engines restarted during a payload, a drift
   check that reads a difference where the merges are exact, or the optional periodic
   `sync.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets through Ray's
   object store, and the engines load bf16(master) with exact residuals;
@@ -11,7 +12,7 @@
 - after every sync the drift check compares engine weights with bf16(master) at seeded coordinates;
 - engines restarted during any call (`EnginesRestarted`) are resynced and the call made again (`retried`).
 
-A LoGRA run needs engines that merge payloads in place: one that cannot (an unknown or quantized layout)
+A LoGRA or LoRA run needs engines that merge payloads in place: one that cannot (an unknown or quantized layout)
 stops the run at start-up with the engine's reason, unless `sync.allow_resync_fallback` accepts a full
 resync per update.
 
@@ -38,20 +39,20 @@ T = TypeVar("T")
 
 
 class InPlaceMergeRefused(ValueError):
-    """A LoGRA run's engines cannot merge payloads in place and the run did not accept full resyncs."""
+    """A LoGRA (or LoRA) run's engines cannot merge payloads in place and the run did not accept full resyncs."""
 
 
 def check_in_place(modes: list[MergeMode], allow_resync_fallback: bool) -> None:
-    """Stop a LoGRA run whose engines would turn every update into a full resync, unless it is allowed."""
+    """Stop a LoGRA or LoRA run whose engines would turn every update into a full resync, unless it is allowed."""
     reasons = sorted({mode.reason for mode in modes if mode.mode == "resync"})
     if not reasons:
-        print(f"[logra-train] LoGRA payloads merge into the engines: {', '.join(m.mode for m in modes)}", flush=True)
+        print(f"[logra-train] payloads merge into the engines: {', '.join(m.mode for m in modes)}", flush=True)
         return
     if allow_resync_fallback:
         print(f"[logra-train] every update is a full resync (sync.allow_resync_fallback): {reasons[0]}", flush=True)
         return
     raise InPlaceMergeRefused(
-        f"the rollout engines cannot merge LoGRA payloads in place: {'; '.join(reasons)}. Every update would be a "
+        f"the rollout engines cannot merge payloads in place: {'; '.join(reasons)}. Every update would be a "
         "full resync of the fp32 weights (at 7B about 30 GB a step); use a model whose layout the engines merge "
         "into (Qwen2/2.5/3, Llama, Gemma 3, SmolLM2, unquantized), or set sync.allow_resync_fallback=true to "
         "run with full resyncs"

@@ -69,6 +69,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.6  # vllm backend
     max_model_len: int = 4096  # vllm backend
     seed: int = 0  # vllm backend: the engine's default seed (requests carry their own)
+    adapter_scale: float = 0.0  # a LoRA run's s in W = base + s·B·A: the engine keeps its targets' bases
 
     @classmethod
     def from_config(cls, config: RunConfig, model_path: str) -> EngineSpec:
@@ -85,6 +86,7 @@ class EngineSpec:
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             max_model_len=config.data.max_prompt_length + config.data.max_response_length,
             seed=config.trainer.seed,
+            adapter_scale=config.optimizer.lora_scaling if config.optimizer.name == "lora" else 0.0,
         )
 
 
@@ -106,9 +108,9 @@ class RolloutEngine(Protocol):
         """Whether payloads merge in place, decided at start-up."""
 
     def apply_payload(self, payload: np.ndarray) -> SyncResult:
-        """Merge a LoGRA payload (`UpdatePayload.to_bytes()` as Ray delivers a `PayloadRef`: a read-only uint8
-        view of the object store) in place. The merger's version gate decides: the payload's base version must
-        be the engine's. A refusal is reported, never raised."""
+        """Merge a payload (`Payload.to_bytes()` as Ray delivers a `PayloadRef`: a read-only uint8 view of the
+        object store) in place: a LoGRA update, or a LoRA run's adapters. The merger's version gate decides:
+        the payload's base version must be the engine's. A refusal is reported, never raised."""
 
     def load_weights(
         self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
@@ -123,11 +125,14 @@ class RolloutEngine(Protocol):
 
 def engine_weights(config: RunConfig, model: ModelFootprint, merges: bool) -> tuple[Part, Part]:
     """An engine's weights in `rollout.dtype` and their merge residual, per tensor-parallel rank (no residual when
-    updates come as full resyncs)."""
+    updates come as full resyncs); a LoRA run's engines also keep their targets' fp32 bases."""
     residual = residual_bytes(config.sync.residual, config.rollout.dtype) if merges else 0
+    name = "residual"
+    if merges and config.optimizer.name == "lora":
+        residual, name = residual + 4, "residual + LoRA bases"
     tp = config.rollout.gpus_per_engine
     weights = getattr(torch, config.rollout.dtype).itemsize * model.params / tp
-    return Part("weights", weights), Part("residual", residual * model.target_params / tp)
+    return Part("weights", weights), Part(name, residual * model.target_params / tp)
 
 
 def resync_split(model: ModelFootprint) -> Part:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import PayloadMerger, UpdatePayload, canonical_name, find_targets, hf_targets
+from logra_rl.logra import PayloadMerger, canonical_name, find_targets, hf_targets, parse_payload
 from logra_rl.models.footprint import GENERATING, Lengths, Machine, ModelFootprint, Part
 from logra_rl.models.head import fold_head_inputs
 from logra_rl.rollout.base import (
@@ -107,7 +107,10 @@ class HFEngine(RolloutEngine):
         targets = find_targets(self.model, spec.target_modules)
         weights = {canonical_name(name): module.weight for name, module in targets}
         self.merger = PayloadMerger(hf_targets(weights, spec.residual), chunk_rows=spec.merge_chunk_rows)
-        self.resync = BucketedResync(self.merger, self.model.state_dict().keys() - tied_duplicates(self.model))
+        if spec.adapter_scale:
+            self.merger.hold_bases()  # the checkpoint's weights: a LoRA run's adapters start at zero
+        names = self.model.state_dict().keys() - tied_duplicates(self.model)
+        self.resync = BucketedResync(self.merger, names, spec.adapter_scale)
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
@@ -166,7 +169,7 @@ class HFEngine(RolloutEngine):
         """Parsed straight from the object store (one copy, into the factors' storage). Any failure (refusal,
         bad bytes, an error mid-merge) is reported, never raised: the weight sync answers it with a full resync."""
         try:
-            self.merger.apply(UpdatePayload.from_bytes(payload, pin_memory=self.device.type == "cuda"))
+            self.merger.apply(parse_payload(payload, pin_memory=self.device.type == "cuda"))
         except Exception as error:
             return SyncResult(applied=False, version=self.version, reason=f"{type(error).__name__}: {error}")
         finally:
@@ -178,7 +181,7 @@ class HFEngine(RolloutEngine):
     ) -> SyncResult:
         """Bucket `bucket` of `buckets` of a full resync from the trainer's fp32 master state (HF names):
         weights and exact residuals; the last bucket sets `version` once every weight has arrived."""
-        state = bucket_tensors(state)
+        state = self.resync.merged(bucket_tensors(state))
         unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"full resync sent weights this model does not have: {unexpected[:4]}")

@@ -160,7 +160,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
             )
         modes = self.llm.collective_rpc(
-            "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows)
+            "logra_init", args=(list(spec.target_modules), spec.residual, spec.merge_chunk_rows, spec.adapter_scale)
         )
         self.mode = modes[0]  # every TP worker decides from the same layout
         print(f"[logra vLLM engine] LoGRA merges: {self.mode.mode} {self.mode.reason}".rstrip(), flush=True)

@@ -30,10 +30,10 @@ import torch
 from logra_rl.logra import (
     MergeTarget,
     PayloadMerger,
-    UpdatePayload,
     decoder_layers,
     find_targets,
     hf_targets,
+    parse_payload,
 )
 from logra_rl.logra.merge import new_residual
 from logra_rl.rollout.base import MergeMode, SyncResult
@@ -136,7 +136,9 @@ def in_place_targets(
 class LograWorkerExtension:
     """Methods vLLM adds to its Worker; state lives in `logra_*` attributes."""
 
-    def logra_init(self, target_modules: list[str], residual: str, chunk_rows: int) -> MergeMode:
+    def logra_init(
+        self, target_modules: list[str], residual: str, chunk_rows: int, adapter_scale: float = 0.0
+    ) -> MergeMode:
         model = self.model_runner.get_model()
         twin = _hf_twin(self.model_config.hf_config)
         shapes = {name: tuple(m.weight.shape) for name, m in find_targets(twin, tuple(target_modules))}
@@ -160,7 +162,10 @@ class LograWorkerExtension:
         if self.logra_mode == "resync":
             logger.warning("LoGRA in-place merges are off, every update is a full resync: %s", self.logra_refusal)
         self.logra_merger = PayloadMerger(targets, chunk_rows=chunk_rows)
-        self.logra_resync = BucketedResync(self.logra_merger, twin.state_dict().keys() - tied_duplicates(twin))
+        if adapter_scale:
+            self.logra_merger.hold_bases()  # the checkpoint's (a shadow's zeros: not exact, so resynced at start)
+        names = twin.state_dict().keys() - tied_duplicates(twin)
+        self.logra_resync = BucketedResync(self.logra_merger, names, adapter_scale)
         return MergeMode(self.logra_mode, self.logra_refusal)
 
     def logra_apply(self, payload: np.ndarray) -> SyncResult:
@@ -170,7 +175,7 @@ class LograWorkerExtension:
             return SyncResult(applied=False, version=self.logra_merger.version, reason=self.logra_refusal)
         try:
             with torch.inference_mode():
-                self.logra_merger.apply(UpdatePayload.from_bytes(payload, pin_memory=torch.cuda.is_available()))
+                self.logra_merger.apply(parse_payload(payload, pin_memory=torch.cuda.is_available()))
             if self.logra_mode == "shadow":
                 self._logra_push_shadow()
         except Exception as error:
@@ -186,6 +191,7 @@ class LograWorkerExtension:
         # Cast here, not in vLLM: its loader warns once per weight on a float32 -> bfloat16 copy (the same
         # round-to-nearest cast); the fp32 values are kept for the exact residuals below.
         dtype = self.vllm_config.model_config.dtype
+        state = self.logra_resync.merged(state)  # a LoRA run's: base + s·B·A, its bases kept
         cast = [(name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in state.items()]
         self._logra_reload(cast)  # in shadow mode this also reloads the bucket's targets
         with torch.inference_mode():

@@ -4,11 +4,11 @@ A step returns a `StepResult`: the policy version after it (the trainer owns the
 of updates committed so far, checkpointed with the optimizer), its metrics (only metrics), and one
 `WeightUpdate` saying what the rollout engines need to catch up:
 
-- `LowRankPayloads`: LoGRA committed one update per payload, in order (several with PPO epochs);
-- `FullResync`: dense AdamW or LoRA moved every trained weight; the engines need bf16(master) in full;
+- `LowRankPayloads`: LoGRA (or LoRA) committed one update per payload, in order (several with PPO epochs);
+- `FullResync`: dense AdamW moved every weight; the engines need bf16(master) in full;
 - `NoChange`: every update of the step was skipped; no weight moved, nothing is sent.
 
-An update rule answers the same type for one update, its payload the committed `UpdatePayload`; the
+An update rule answers the same type for one update, its payload the committed `Payload`; the
 step's answer carries each payload as a `PayloadRef` instead, left in Ray's object store by train rank 0:
 the driver hands the reference on to the engines and never holds the bytes.
 """
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 if TYPE_CHECKING:
     import ray
 
-P = TypeVar("P")  # how a payload travels: an UpdatePayload inside a worker, a PayloadRef beyond it
+P = TypeVar("P")  # how a payload travels: a `Payload` inside a worker, a PayloadRef beyond it
 
 
 @dataclass(frozen=True)
 class PayloadRef:
-    """One payload's bytes (`UpdatePayload.to_bytes()`, as a uint8 array) in Ray's object store, and what the
+    """One payload's bytes (`Payload.to_bytes()`, as a uint8 array) in Ray's object store, and what the
     driver records of it without reading it. Train rank 0 put it there and owns it: the object lives while
     that actor does and the driver holds this reference (until every engine has applied it)."""
 

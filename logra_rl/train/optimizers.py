@@ -2,8 +2,8 @@
 
 A rule first prepares the fp32 model before it is sharded (`prepare_model`: which parameters train,
 LoRA adapters), then takes the accumulated backward (a token-sum loss) and `UpdateInputs`, and
-answers with its metrics and what changed, a `WeightUpdate`: the committed `UpdatePayload` (LoGRA),
-`FullResync` (dense, LoRA: every trained weight moved) or `NoChange` (the update was skipped).
+answers with its metrics and what changed, a `WeightUpdate`: the committed payload (LoGRA's `UpdatePayload`,
+LoRA's `AdapterPayload`), `FullResync` (dense: every weight moved) or `NoChange` (the update was skipped).
 `UPDATE_RULES` names the rules (`optimizer.name`'s choices), and each says what it holds (`memory`: the
 memory plan's train-rank state, KL probe and payload).
 """
@@ -32,8 +32,8 @@ from logra_rl.logra import (
     KLRows,
     LogitChunks,
     LoGRAOptimizer,
+    Payload,
     ProbeError,
-    UpdatePayload,
     features,
     kl_estimate,
     masked_logits,
@@ -42,7 +42,7 @@ from logra_rl.logra import (
 from logra_rl.models.footprint import TRAINING, ModelFootprint, Part
 from logra_rl.models.head import LMHead
 from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, WeightUpdate
-from logra_rl.train.lora import add_lora
+from logra_rl.train.lora import adapter_payload, add_lora, lora_layers
 from logra_rl.utils.checkpoint import UPDATE_STATE
 from logra_rl.utils.shards import full_tensor
 
@@ -162,7 +162,7 @@ class UpdateRule(Protocol):
     def version(self) -> int:
         """Updates committed so far: the policy version."""
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]: ...
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[Payload]]: ...
 
     def drop_backward(self) -> None:
         """Drop what the backward accumulated (gradients or sketches) without an update."""
@@ -259,7 +259,7 @@ class DenseUpdate:
     def version(self) -> int:
         return self.policy_version
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[Payload]]:
         lr = self.config.lr * dense_lr_factor(inputs.step, self.config)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for grad in grads:
@@ -283,7 +283,11 @@ class DenseUpdate:
                 metrics |= self._realized_kl(before, rows)
                 metrics["timing_s/probe"] = seconds + time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else FullResync()
+        return metrics, NoChange(f"non-finite gradient norm {grad_norm}") if skipped else self._committed()
+
+    def _committed(self) -> WeightUpdate[Payload]:
+        """What the engines need after a committed update: every weight moved."""
+        return FullResync()
 
     def drop_backward(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,9 +326,20 @@ class DenseUpdate:
 
 
 class LoRAUpdate(DenseUpdate):
-    """The dense rule over peft LoRA adapters (seeded by `trainer.seed`); the base weights stay frozen."""
+    """The dense rule over peft LoRA adapters (seeded by `trainer.seed`); the base weights stay frozen. The
+    engines get each update as the adapters (`AdapterPayload`) and set their targets from the bases they hold."""
 
     trains_head = False
+    sends_payloads = True
+
+    def __init__(self, model: nn.Module, config: RunConfig, world_size: int) -> None:
+        super().__init__(model, config, world_size)
+        self.adapters = lora_layers(model)
+        self.scaling, self.rank = config.optimizer.lora_scaling, config.optimizer.lora_rank
+
+    def _committed(self) -> WeightUpdate[Payload]:
+        payload = adapter_payload(self.adapters, self.policy_version - 1, self.scaling, self.rank)
+        return LowRankPayloads((payload,))
 
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
@@ -409,7 +424,7 @@ class LoGRAUpdate:
     def version(self) -> int:
         return self.optimizer.policy_version
 
-    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], WeightUpdate[Payload]]:
         opt = self.optimizer
         controller, version = opt.kl_controller, opt.policy_version
         metrics = {}

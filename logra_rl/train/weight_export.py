@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from logra_rl.logra import UpdatePayload
+from logra_rl.logra import Payload
 from logra_rl.train.api import LowRankPayloads, PayloadRef, ResyncBucket, WeightUpdate
-from logra_rl.train.lora import is_adapter, merged_state
+from logra_rl.train.lora import adapter_state, merged_state
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
 
@@ -29,7 +29,8 @@ ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts 
 
 
 class WeightExport:
-    """The engines' view of one rank's FSDP2-sharded fp32 model: HF names, LoRA merged (W + s·B·A)."""
+    """The engines' view of one rank's FSDP2-sharded fp32 model: HF names, LoRA merged (W + s·B·A) or as base
+    weights with their adapters (a full resync: the engines keep the bases)."""
 
     def __init__(
         self,
@@ -61,7 +62,7 @@ class WeightExport:
             groups.setdefault(layer.group(1) if layer else ADAPTER_PART.sub("", key), []).append(key)
         buckets: list[ResyncBucket] = []
         for keys in groups.values():
-            sent = sum(state[k].numel() * state[k].element_size() for k in keys if not is_adapter(k))
+            sent = sum(state[k].numel() * state[k].element_size() for k in keys)
             if buckets and buckets[-1].nbytes + sent <= max_bytes:
                 buckets[-1] = ResyncBucket(buckets[-1].keys + tuple(keys), buckets[-1].nbytes + sent)
             else:
@@ -71,23 +72,29 @@ class WeightExport:
     def full_state(self, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor] | None:
         """The full fp32 values of `keys` (default: the whole state dict) on rank 0's CPU, under HF names
         with LoRA merged; None on the other ranks."""
+        full = self._gathered(keys)
+        return merged_state(full, self.lora_scaling) if full is not None and self.lora else full
+
+    def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
+        """The fp32 values of `keys` under HF names (LoRA's base weights with their adapters: `adapter_state`)
+        left in Ray's object store on this node (rank 0; None elsewhere) as numpy arrays, which the engines
+        read without a copy."""
+        import ray
+
+        full = self._gathered(keys)
+        if full is None:
+            return None
+        return ray.put({k: v.numpy() for k, v in (adapter_state(full) if self.lora else full).items()})
+
+    def _gathered(self, keys: tuple[str, ...] | None) -> dict[str, torch.Tensor] | None:
+        """The state dict's `keys` (default: all) gathered onto rank 0's CPU as they are named; None elsewhere."""
         state = get_model_state_dict(self.model)
         full = {}
         for key in keys if keys is not None else list(state):
             value = full_tensor(state[key])
             if self.rank == 0:
                 full[key] = value.detach().to("cpu", copy=True)
-        if self.rank != 0:
-            return None
-        return merged_state(full, self.lora_scaling) if self.lora else full
-
-    def resync_bucket(self, keys: tuple[str, ...]) -> ray.ObjectRef | None:
-        """`full_state(keys)` left in Ray's object store on this node (rank 0; None elsewhere) as numpy
-        arrays, which the engines read without a copy."""
-        import ray
-
-        state = self.full_state(keys)
-        return ray.put({k: v.numpy() for k, v in state.items()}) if state is not None else None
+        return full if self.rank == 0 else None
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Master values at (rows, cols) of the targeted weights (merged W + s·B·A under LoRA), combined
@@ -104,8 +111,9 @@ class WeightExport:
             if lora is not None:
                 b, _ = local_rows(lora.lora_B["default"].weight)
                 a = full_tensor(lora.lora_A["default"].weight)
-                update = (b.detach()[rows_held] * a.detach()[:, cols_held].t()).sum(dim=1)
-                values[held] += (lora.scaling["default"] * update).float().cpu()
+                # adapter_change's value: float64 products summed over the rank, one rounding
+                product = (b.detach().double()[rows_held] * a.detach().double()[:, cols_held].t()).sum(dim=1)
+                values[held] += (product * lora.scaling["default"]).float().cpu()
             local.append(values)
         flat = torch.cat(local).to(self.device)
         parts = [torch.empty_like(flat) for _ in range(self.world_size)]
@@ -113,7 +121,7 @@ class WeightExport:
         combined = combine_shards([part.cpu() for part in parts])
         return dict(zip(coordinates, combined.split([len(v) for v in local]), strict=True))
 
-    def publish(self, update: WeightUpdate[UpdatePayload]) -> WeightUpdate[PayloadRef]:
+    def publish(self, update: WeightUpdate[Payload]) -> WeightUpdate[PayloadRef]:
         """The step's update as the driver gets it: rank 0 serialises each payload into Ray's object store (the
         other ranks hold identical payloads, which would travel for nothing: they answer none)."""
         if not isinstance(update, LowRankPayloads):
@@ -121,7 +129,7 @@ class WeightExport:
         return LowRankPayloads(tuple(put_payload(p) for p in update.payloads) if self.rank == 0 else ())
 
 
-def put_payload(payload: UpdatePayload) -> PayloadRef:
+def put_payload(payload: Payload) -> PayloadRef:
     """`payload`'s bytes in Ray's object store as a uint8 array: an engine on this node reads it in place
     (an array comes back as a read-only view of the store), where bytes would be copied out first."""
     import ray

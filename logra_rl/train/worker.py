@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import KLRows, LogitChunks, ProbeError, UpdatePayload, decoder_layers
+from logra_rl.logra import KLRows, LogitChunks, Payload, ProbeError, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import LMHead, fold_head_inputs
 from logra_rl.rl import head_logprobs, policy_gradient_loss
@@ -97,7 +97,7 @@ def aggregate_epochs(per_epoch: list[Mapping[str, float]]) -> dict[str, float]:
     return aggregated
 
 
-def step_update(updates: list[WeightUpdate[UpdatePayload]]) -> WeightUpdate[UpdatePayload]:
+def step_update(updates: list[WeightUpdate[Payload]]) -> WeightUpdate[Payload]:
     """One step's update from its epochs' (PPO): every committed payload in order, else a full resync if any
     epoch moved every weight, else nothing."""
     payloads = tuple(p for update in updates if isinstance(update, LowRankPayloads) for p in update.payloads)
@@ -267,7 +267,7 @@ class TrainWorker:
         metrics, update = self.train(batch, step)
         return StepResult(policy_version=self.rule.version, metrics=metrics, update=self.export.publish(update))
 
-    def train(self, batch: TrainBatch, step: int) -> tuple[dict[str, float], WeightUpdate[UpdatePayload]]:
+    def train(self, batch: TrainBatch, step: int) -> tuple[dict[str, float], WeightUpdate[Payload]]:
         """One update per epoch (PPO), each from a fresh backward: the step's metrics and its update, as objects
         (Ray-free callers, the GPU check, read the payloads here). Every rank computes the same update from
         all-reduced sketches or gradients."""

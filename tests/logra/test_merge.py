@@ -6,19 +6,26 @@ import pytest
 import torch
 
 import logra_rl.logra.merge as merge_module
+from logra_rl.config import OptimizerConfig
 from logra_rl.logra import (
+    AdapterEntry,
+    AdapterPayload,
     LoGRAConfig,
     LoGRAOptimizer,
+    MergeTarget,
     PayloadMerger,
     PayloadRefused,
     UpdatePayload,
+    adapter_change,
     hf_targets,
     join_master,
     make_projection,
     merge_low_rank_,
+    parse_payload,
     split_master,
 )
-from logra_rl.logra.merge import low_rank_change, rademacher_signs, row_chunks
+from logra_rl.logra.merge import low_rank_change, new_residual, rademacher_signs, row_chunks
+from logra_rl.train.lora import adapter_payload, add_lora, lora_layers, merged_state
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 
@@ -335,3 +342,71 @@ def test_resync_in_parts_refuses_payloads_until_every_target_arrived():
     for name, target in merger.targets.items():
         assert torch.equal(target.weight, master[name].to(torch.bfloat16)), name
         assert torch.equal(target.weight.float() + target.residual, master[name]), name
+
+
+def lora_step(layers, generator):
+    """Adapters moved as an AdamW step would move them (both factors, every module)."""
+    for layer in layers.values():
+        for factor in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+            factor.data += 0.01 * torch.randn(factor.shape, generator=generator)
+
+
+@pytest.mark.parametrize("residual", ["tail", "float32"])
+def test_adapter_payloads_keep_every_engine_copy_at_bf16_of_the_trainers_merged_weights(residual):
+    """A LoRA run's engines: bases held, each update's adapters set the targets. Thirty updates later, an HF-layout
+    copy and a copy split into row x column blocks (tensor-parallel shards, another chunking) both equal
+    bf16(base + s·B·A) as the trainer merges it, bit for bit."""
+    config = OptimizerConfig(name="lora", lora_rank=4, lora_alpha=8.0)
+    model = tiny_qwen3(seed=5)
+    for param in model.parameters():  # a bf16 checkpoint: the engines read the trainer's base exactly
+        param.data = param.data.bfloat16().float()
+    model = add_lora(model, config, ("q_proj", "down_proj"))
+    layers = lora_layers(model)
+    base = {name: layer.base_layer.weight.detach().clone() for name, layer in layers.items()}
+    whole = PayloadMerger(hf_targets({n: w.bfloat16() for n, w in base.items()}, residual))
+    split = []  # four "ranks", each holding one row x column block of every target
+    for r, c in ((r, c) for r in (slice(0, 16), slice(16, None)) for c in (slice(0, 24), slice(24, None))):
+        targets = {}
+        for name, weight in base.items():
+            block = weight[r, c].bfloat16().clone()
+            targets[name] = MergeTarget(block, new_residual(block, residual), tuple(weight.shape), r, c)
+        split.append(PayloadMerger(targets, chunk_rows=3))
+    for merger in (whole, *split):
+        merger.hold_bases()
+    generator = torch.Generator().manual_seed(0)
+    for version in range(30):
+        lora_step(layers, generator)
+        payload = parse_payload(adapter_payload(layers, version, config.lora_scaling, 4).to_bytes())
+        for merger in (whole, *split):
+            merger.apply(payload)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    merged = merged_state(state, config.lora_scaling)
+    for name, target in whole.targets.items():
+        master = merged[f"{name}.weight"]
+        assert not torch.equal(master, base[name])  # the adapters moved it
+        assert torch.equal(target.weight, rounded(master, residual)), name
+        if residual == "tail":
+            assert torch.equal(join_master(target.weight, target.residual), master), name
+    for merger in split:
+        for name, target in merger.targets.items():
+            assert torch.equal(target.weight, rounded(merged[f"{name}.weight"], residual)[target.rows, target.cols])
+    assert whole.version == 30
+
+
+def rounded(master, residual):
+    return split_master(master)[0] if residual == "tail" else master.bfloat16()
+
+
+def test_adapter_payloads_are_refused_untouched_without_bases_or_out_of_order():
+    weight = torch.randn(6, 5).bfloat16()
+    entry = AdapterEntry("m", 6, 5, torch.randn(6, 2), torch.randn(2, 5))
+    merger = PayloadMerger(hf_targets({"m": weight.clone()}))
+    with pytest.raises(PayloadRefused, match="holds no base weight"):
+        merger.apply(AdapterPayload(0, 1, 2, 1.0, (entry,)))
+    merger.hold_bases()
+    with pytest.raises(PayloadRefused, match="these weights are at version 0"):
+        merger.apply(AdapterPayload(1, 2, 2, 1.0, (entry,)))
+    assert torch.equal(merger.targets["m"].weight, weight) and merger.version == 0
+    merger.apply(AdapterPayload(0, 1, 2, 1.0, (entry,)))
+    expected = weight.float() + adapter_change(entry.b, entry.a, 1.0)
+    assert torch.equal(merger.targets["m"].weight, split_master(expected)[0]) and merger.version == 1

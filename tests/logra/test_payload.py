@@ -1,11 +1,21 @@
-"""UpdatePayload: byte format, size, integrity."""
+"""The payloads (LoGRA's UpdatePayload, LoRA's AdapterPayload): byte format, size, integrity."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
-from logra_rl.logra import LoGRAConfig, LoGRAOptimizer, PayloadEntry, PayloadFormatError, UpdatePayload
+from logra_rl.logra import (
+    AdapterEntry,
+    AdapterPayload,
+    LoGRAConfig,
+    LoGRAOptimizer,
+    PayloadEntry,
+    PayloadFormatError,
+    UpdatePayload,
+    parse_payload,
+)
 from tests.tiny_models import random_batch, tiny_qwen3, token_sum_loss
 
 QWEN25_15B = {"hidden": 1536, "intermediate": 8960, "layers": 28, "heads": 12, "kv_heads": 2, "head_dim": 128}
@@ -98,3 +108,35 @@ def test_factors_must_be_in_the_wire_dtype():
     entry = PayloadEntry("model.layers.0.self_attn.q_proj", 4, 8, torch.zeros(4, 2))  # fp32, wire says bf16
     with pytest.raises(ValueError, match="factors must be exactly what the trainer merged"):
         UpdatePayload(0, 1, 42, 0, 2, "rademacher", "bfloat16", "0" * 32, (entry,))
+
+
+def adapter_payload_of(base_version=3):
+    entries = (
+        AdapterEntry("model.layers.0.self_attn.q_proj", 6, 5, torch.randn(6, 2), torch.randn(2, 5)),
+        AdapterEntry("model.layers.0.mlp.down_proj", 5, 7, torch.randn(5, 2), torch.randn(2, 7)),
+    )
+    return AdapterPayload(base_version, base_version + 1, 2, 0.5, entries)
+
+
+def test_adapter_payloads_round_trip_bit_for_bit_and_are_told_apart_by_their_magic():
+    payload = adapter_payload_of()
+    data = np.frombuffer(bytes(payload.to_bytes()), dtype=np.uint8)  # as Ray delivers it: a read-only array
+    parsed = parse_payload(data)
+    assert isinstance(parsed, AdapterPayload)
+    assert (parsed.base_version, parsed.new_version, parsed.rank, parsed.scale) == (3, 4, 2, 0.5)
+    for got, sent in zip(parsed.entries, payload.entries, strict=True):
+        assert (got.name, got.d_out, got.k_in) == (sent.name, sent.d_out, sent.k_in)
+        assert torch.equal(got.b, sent.b) and torch.equal(got.a, sent.a)
+    assert isinstance(parse_payload(committed_payload().to_bytes()), UpdatePayload)
+    with pytest.raises(PayloadFormatError, match="magic"):
+        UpdatePayload.from_bytes(payload.to_bytes())  # one format is never read as the other
+    flipped = bytearray(payload.to_bytes())
+    flipped[-3] ^= 0x10
+    with pytest.raises(PayloadFormatError, match="digest"):
+        parse_payload(bytes(flipped))
+
+
+def test_adapters_must_be_the_trainers_fp32_values():
+    entry = AdapterEntry("model.layers.0.self_attn.q_proj", 6, 5, torch.zeros(6, 2).bfloat16(), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="exactly what the trainer holds"):
+        AdapterPayload(0, 1, 2, 1.0, (entry,))

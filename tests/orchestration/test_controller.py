@@ -151,20 +151,28 @@ def test_dense_and_ppo_epochs_sync_through_the_same_loop(tmp_path, quickstart_mo
                 assert metrics["sync/payload_bytes"] > 0 and metrics["sync/full_resync_bytes"] == 0
 
 
-def test_lora_baseline_trains_adapters_and_syncs_merged_weights(tmp_path, quickstart_model):
-    """optimizer=lora: peft adapters under FSDP2; the engines get W + s·B·A, equal to the trainer's merged view."""
+def test_lora_baseline_sends_its_adapters_and_the_engines_hold_the_merged_weights_exactly(tmp_path, quickstart_model):
+    """optimizer=lora: peft adapters under FSDP2. The engines get the adapters of each update (no full resync after
+    the start, whose buckets carry the bases with their adapters), and hold bf16 of the trainer's merged
+    W + s·B·A at every coordinate of every target, also after a forced full resync (step 1) and the payload
+    that follows it (step 2), which sets the targets from the bases that resync delivered."""
     overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
-    overrides += ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"]
-    overrides += ["sync.bucket_mb=0.05"]  # ~50 kB: the merged weights stream in several buckets
+    overrides += ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4", "sync.resync_every=2"]
+    overrides += ["sync.bucket_mb=0.05"]  # ~50 kB: the base weights and adapters stream in several buckets
     with started(RunConfig.from_mapping(run_config(overrides)), tmp_path, {}) as controller:
         assert len(controller.weight_sync.buckets) > 2
-        history = [controller.step(step) for step in range(2)]
+        history = [controller.step(step) for step in range(3)]
         master = controller.train.full_state()
+        (engine,) = controller.rollout.weights_at(target_grid(controller))
     assert "model.layers.0.self_attn.q_proj.weight" in master and not any("lora" in k for k in master)
+    assert [m["sync/full_resync_bytes"] > 0 for m in history] == [False, True, False]
     for metrics in history:
-        assert metrics["sync/full_resync_bytes"] > 0 and metrics["sync/payload_bytes"] == 0
+        assert metrics["sync/payload_bytes"] > 0 and metrics["sync/refused"] == 0
         assert metrics["sync/drift"] == 0.0  # engines hold bf16 of the merged weights
         assert metrics["train/grad_norm"] > 0 and metrics["train/skipped"] == 0
+    for name, values in engine.items():
+        expected = split_master(master[f"{name}.weight"])[0].float().flatten()
+        assert torch.equal(values, expected), name
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(quickstart_model).state_dict()

@@ -60,10 +60,13 @@ def test_vllm_engine_tracks_the_trainer_and_recovers_from_a_refused_payload(tmp_
     assert history[-1]["policy/version"] == 5.0
 
 
-def test_a_tensor_parallel_engine_starts_in_its_placement_group_and_stays_exact(tmp_path, quickstart_model):
+@pytest.mark.parametrize("optimizer", ["logra", "lora"])
+def test_a_tensor_parallel_engine_starts_in_its_placement_group_and_stays_exact(tmp_path, quickstart_model, optimizer):
     """rollout.gpus_per_engine=2: one engine actor holding a 2-GPU bundle runs vLLM's TP workers through the
     multiprocessing executor (one core each on CPU); payloads, a bucketed full resync and the per-rank drift
-    check keep its weights equal to bf16(master)."""
+    check keep its weights equal to bf16(master). A LoRA run's adapter payloads too, the one after the resync
+    set from the bases that resync delivered."""
+    lora = ["optimizer=lora", "optimizer.lr=1e-2", "optimizer.lora_rank=4"] if optimizer == "lora" else []
     cfg = run_config(
         [
             "model=hf",
@@ -74,15 +77,17 @@ def test_a_tensor_parallel_engine_starts_in_its_placement_group_and_stays_exact(
             "sync.bucket_mb=0.05",
             "trainer.prompts_per_step=16",
             "logger.progress=false",
+            *lora,
         ]
     )
+    steps = 3 if lora else 2
     with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
-        history = [controller.step(step) for step in range(2)]
+        history = [controller.step(step) for step in range(steps)]
     for metrics in history:
-        assert metrics["sync/drift"] == 0.0
+        assert metrics["sync/drift"] == 0.0 and metrics["sync/payload_bytes"] > 0
         assert abs(metrics["train/mismatch"]) <= 1e-2, metrics["train/mismatch"]
-    assert history[0]["sync/payload_bytes"] > 0 and history[1]["sync/full_resync_bytes"] > 0
-    assert history[-1]["policy/version"] == 2.0
+    assert [m["sync/full_resync_bytes"] > 0 for m in history] == [False, True, False][:steps]
+    assert history[-1]["policy/version"] == steps
 
 
 def test_cpu_tensor_parallel_workers_get_disjoint_cores(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
+from logra_rl.logra import merge_adapters
 from logra_rl.orchestration.cluster import start_ray, stop_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
@@ -25,7 +26,8 @@ from tests.tiny_models import random_batch, tiny_qwen3
 @pytest.mark.parametrize("optimizer", ["logra", "lora"])
 def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     path = tmp_path / "model"
-    tiny_qwen3(seed=4, tie_word_embeddings=True).save_pretrained(path)  # tied: one parameter, two names
+    tied = optimizer == "logra"  # tied: one parameter, two names (LoRA refuses adapters on a tied head)
+    tiny_qwen3(seed=4, tie_word_embeddings=tied).save_pretrained(path)
     overrides = ["model=hf", f"model.path={path}", f"optimizer={optimizer}", "optimizer.lora_rank=4"]
     if optimizer == "lora":  # one adapted module outside the layers
         overrides += ["model.target_modules=[q_proj,v_proj,lm_head]"]
@@ -65,10 +67,18 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     layers = [{k.split(".layers.")[1].split(".")[0] for k in b.keys if ".layers." in k} for b in buckets]
     assert all(len(numbers) <= 1 for numbers in layers) and len(set().union(*layers)) == 2
     joined = bucket_tensors({k: v for part in parts for k, v in part.items()})  # numpy arrays, zero-copy in Ray
-    assert sum(len(part) for part in parts) == len(joined) == len(state) - 1  # tied lm_head goes once, as embed
-    assert "lm_head.weight" not in joined
-    assert all(torch.equal(joined[name], value) for name, value in state.items() if name != "lm_head.weight")
-    assert [b.nbytes for b in buckets] == [sum(v.nbytes for v in part.values()) for part in parts]
+    sent = sum(len(part) for part in parts)
+    if tied:
+        assert sent == len(joined) == len(state) - 1 and "lm_head.weight" not in joined  # it goes once, as embed
+    else:  # LoRA: each adapted module's base weight with its adapters, merged here as the engines merge them
+        joined, bases = merge_adapters(joined, config.optimizer.lora_scaling)
+        assert sorted(bases) == [
+            "lm_head",
+            *(f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")),
+        ]
+        assert sent == len(state) + 2 * len(bases) and sorted(joined) == sorted(state)
+    assert all(torch.equal(joined[name], value) for name, value in state.items() if name in joined)
+    assert [b.nbytes for b in buckets] == [sum(v.nbytes for v in part.values()) for part in parts]  # adapters too
     for got in logprobs:  # rotary frequencies (buffers, not in the state dict) reached rank 1 too
         torch.testing.assert_close(got[:, 1:], want, rtol=1e-5, atol=1e-5)
 
