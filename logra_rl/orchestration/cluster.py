@@ -175,6 +175,10 @@ def check_cluster(config: RunConfig, address: str) -> None:
 
 # The oldest Linux driver of each CUDA major version (CUDA's minor-version compatibility).
 DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}
+# The older driver branches on which NVIDIA's forward-compatibility package (cuda-compat-13-0) runs CUDA 13.0, on
+# data-centre GPUs only (H100, H200, A100, ...; not GeForce): NVIDIA's CUDA compatibility support matrix.
+FORWARD_COMPATIBLE = {13: (535, 570)}
+COMPAT_LIBRARIES = "/usr/local/cuda/compat"  # where the package (and NVIDIA's CUDA images) put them
 NVIDIA_PROC = "/proc/driver/nvidia/version"  # the loaded driver; visible inside containers too
 
 
@@ -239,12 +243,27 @@ def cuda_problem(probe: CudaProbe) -> str | None:
     else:
         driver, too_old = "driver version unknown", False
     if too_old:
-        return (
+        said = (
             f"this node's NVIDIA GPUs are unusable: torch is built for CUDA {probe.torch_cuda}, which needs NVIDIA "
-            f"driver ≥ {floor}, and the host has {driver}. Upgrade the host's driver to ≥ {floor}, or install outside "
-            "docker a torch and vLLM built for the CUDA this driver supports (docs/gpu.md); cluster.device=cpu runs "
-            "on the CPU anyway"
+            f"driver ≥ {floor}, and the host has {driver}. "
         )
+        branch = int(probe.driver.split(".")[0]) if probe.driver else None
+        if branch in FORWARD_COMPATIBLE.get(major, ()):
+            said += (
+                f"On a data-centre GPU this driver branch runs CUDA {major}.0 through NVIDIA's forward-compatibility "
+                f"libraries: install cuda-compat-{major}-0 and put {COMPAT_LIBRARIES} first on LD_LIBRARY_PATH (the "
+                f"logra-rl image does both when it sees this driver); or upgrade the host's driver to ≥ {floor}"
+            )
+        else:
+            branches = " or ".join(map(str, FORWARD_COMPATIBLE.get(major, ())))
+            compat = (
+                f" (or, on a data-centre GPU, to the {branches} branch with NVIDIA's forward-compatibility package)"
+            )
+            said += (
+                f"Upgrade the host's driver to ≥ {floor}{compat if branches else ''}, or install outside docker a "
+                "torch and vLLM built for the CUDA this driver supports"
+            )
+        return f"{said} (docs/gpu.md); cluster.device=cpu runs on the CPU anyway"
     said = f": {probe.warning.strip()}" if probe.warning else ""
     return (
         f"this node has NVIDIA GPUs ({driver}) but torch (CUDA {probe.torch_cuda}) cannot use them{said}. Check "

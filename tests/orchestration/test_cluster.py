@@ -306,9 +306,15 @@ def test_a_ray_cluster_running_on_this_node_is_joined_and_left_running(tmp_path,
 def test_a_cuda_torch_that_cannot_use_the_nodes_gpus_stops_the_run_naming_the_driver_and_the_fix():
     """Without the check a CUDA torch that cannot initialise CUDA runs everything on the CPU, as on a machine
     without GPUs: the docker image's CUDA 13 on a host driver older than 580 does that."""
-    old_driver = cuda_problem(CudaProbe(torch_cuda="13.0", available=False, gpus_present=True, driver="535.104.05"))
-    assert "built for CUDA 13.0, which needs NVIDIA driver ≥ 580, and the host has driver 535.104.05" in old_driver
+    old_driver = cuda_problem(CudaProbe(torch_cuda="13.0", available=False, gpus_present=True, driver="550.54.15"))
+    assert "built for CUDA 13.0, which needs NVIDIA driver ≥ 580, and the host has driver 550.54.15" in old_driver
     assert "Upgrade the host's driver to ≥ 580" in old_driver and "cluster.device=cpu" in old_driver
+    assert "to the 535 or 570 branch with NVIDIA's forward-compatibility package" in old_driver  # 550 is not one
+    # 535 (LTSB) and 570 run CUDA 13.0 on data-centre GPUs through cuda-compat-13-0: the fix is named first
+    for driver in ("535.104.05", "570.86.10"):
+        compat = cuda_problem(CudaProbe("13.0", available=False, gpus_present=True, driver=driver))
+        assert f"the host has driver {driver}. On a data-centre GPU this driver branch runs CUDA 13.0" in compat
+        assert "install cuda-compat-13-0 and put /usr/local/cuda/compat first on LD_LIBRARY_PATH" in compat
 
     warning = "CUDA initialization: The NVIDIA driver on your system is too old (found version 12020). Please update"
     no_version = CudaProbe("13.0", available=False, gpus_present=True, warning=warning)  # no /proc, no nvidia-smi
