@@ -92,6 +92,9 @@ class RolloutConfig:
         check_fraction("rollout.top_p", self.top_p)
 
 
+RESYNC_ROUTES = ("object_store", "process_group")
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     """How the engines' weights follow the trainer's (read by WeightSync and the engines)."""
@@ -104,6 +107,10 @@ class SyncConfig:
     # is true: then every update is a full resync of the fp32 weights (minutes a step at 7B and up)
     allow_resync_fallback: bool = False
     bucket_mb: float = 128  # a full resync streams the fp32 master in buckets of about this size
+    # how a full resync's buckets reach the engines: object_store (train rank 0 puts each into Ray's object store,
+    # the engines read it from host memory) | process_group (broadcast device to device in a process group of
+    # their own: NCCL on GPUs, gloo on CPUs; a resync of restarted engines alone takes the object store)
+    resync_route: str = "object_store"
     drift_check_coordinates: int = 16  # weight coordinates per target compared between trainer and engines each step
     # rows per chunk when merging U·A into a weight (engines and the trainer's own merge); 0: about 2^24 elements
     merge_chunk_rows: int = LoGRAConfig.merge_chunk_rows
@@ -113,6 +120,7 @@ class SyncConfig:
         check_non_negative_int("sync.resync_every", self.resync_every, "0: only when needed")
         check_bool("sync.allow_resync_fallback", self.allow_resync_fallback)
         check_positive("sync.bucket_mb", self.bucket_mb)
+        check_choice("sync.resync_route", self.resync_route, RESYNC_ROUTES)
         check_positive_int("sync.drift_check_coordinates", self.drift_check_coordinates)
         check_non_negative_int("sync.merge_chunk_rows", self.merge_chunk_rows, "0: chunks of about 2^24 elements")
 

@@ -28,6 +28,7 @@ from logra_rl.rollout import Completion, MergeMode, RolloutEngine, SamplingParam
 from logra_rl.rollout.base import EngineSpec
 from logra_rl.rollout.vllm_engine import ENGINE_INDEX
 from logra_rl.train.api import PayloadRef
+from logra_rl.utils.transfer import Layout, TransferAddress
 
 
 def engine_class(backend: str) -> type[RolloutEngine]:
@@ -74,6 +75,13 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """Calls started on every engine and not waited for yet (their partner runs in another group)."""
+
+    refs: dict[int, ray.ObjectRef]
+
+
+@dataclass(frozen=True)
 class Generated:
     completions: list[Completion]  # in prompt order, `n` per prompt
     seconds: float  # the longest engine's generation time
@@ -97,6 +105,7 @@ class RolloutGroup:
         )
         self.engines = self.workers.actors
         self.restarts = 0  # engines restarted in this run (fault/engine_restarts)
+        self.gpus_per_engine = config.rollout.gpus_per_engine  # processes per engine (tensor-parallel workers)
         self.closing = False
 
     def __len__(self) -> int:
@@ -137,6 +146,23 @@ class RolloutGroup:
         """One bucket of a full resync, to every engine or to `engines`; results by engine index."""
         chosen = range(len(self)) if engines is None else engines
         return self._each(lambda e, engine: engine.load_weights.remote(state, version, bucket, buckets), chosen)
+
+    def join_transfer(self, address: TransferAddress) -> Pending:
+        """Every engine starts joining the full resyncs' process group (engine e's TP worker t as rank
+        1 + e · TP + t; rank 0 is train rank 0): `wait` once the train group has joined too."""
+        tp = self.gpus_per_engine
+        return Pending({e: engine.join_transfer.remote(address, 1 + e * tp) for e, engine in enumerate(self.engines)})
+
+    def receive_bucket(self, layout: Layout, version: int, bucket: int, buckets: int) -> Pending:
+        """Every engine starts receiving a bucket that train rank 0 is to broadcast: `wait` once it has."""
+        return Pending(
+            {e: engine.receive_bucket.remote(layout, version, bucket, buckets) for e, engine in enumerate(self.engines)}
+        )
+
+    def wait(self, pending: Pending) -> dict[int, Any]:
+        """The engines' answers to calls started by `join_transfer` or `receive_bucket` (`EnginesRestarted` as
+        for any call)."""
+        return self._gather(pending.refs)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         results = self._each(lambda e, engine: engine.weights_at.remote(coordinates), range(len(self)))

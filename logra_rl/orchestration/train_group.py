@@ -20,6 +20,7 @@ from logra_rl.orchestration.cluster import WorkerGroup, pinned_cores
 from logra_rl.train.api import ResyncBucket, StepResult
 from logra_rl.train.batch import TrainBatch
 from logra_rl.train.worker import TrainWorker
+from logra_rl.utils.transfer import Layout, TransferAddress
 
 
 class TrainGroup:
@@ -65,6 +66,21 @@ class TrainGroup:
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return self._leader([a.weights_at.remote(coordinates) for a in self.actors])
+
+    def bucket_layout(self, bucket: ResyncBucket) -> Layout:
+        return ray.get(self.actors[0].bucket_layout.remote(bucket.keys))
+
+    def open_transfer(self, world_size: int, generation: int) -> TransferAddress:
+        """Rank 0 hosts the transfer group's store (sync.resync_route=process_group) and says how to join it."""
+        return ray.get(self.actors[0].open_transfer.remote(world_size, generation))
+
+    def join_transfer(self, address: TransferAddress) -> None:
+        """Rank 0 joins as the sender; returns when every member has joined (the rendezvous)."""
+        self.workers.gather([self.actors[0].join_transfer.remote(address)])
+
+    def send_bucket(self, bucket: ResyncBucket) -> None:
+        """Every rank gathers the bucket; rank 0 broadcasts it to the engines, which must be receiving it."""
+        self.workers.gather([a.send_bucket.remote(bucket.keys) for a in self.actors])
 
     def full_state(self, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """The merged fp32 master state (or `keys` of it) on the driver: how the tests read the master."""

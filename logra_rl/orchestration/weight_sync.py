@@ -7,7 +7,8 @@
 - a refused payload, a dense update (`FullResync`), engines restarted during a payload, a drift
   check that reads a difference where the merges are exact, or the optional periodic
   `sync.resync_every` → a full resync: train rank 0 streams the fp32 master in buckets through Ray's
-  object store, and the engines load bf16(master) with exact residuals;
+  object store (or, with `sync.resync_route=process_group`, broadcasts each bucket device to device in a
+  process group of its own with every engine process), and the engines load bf16(master) with exact residuals;
 - `NoChange` (every update skipped) sends nothing;
 - after every sync the drift check compares engine weights with bf16(master) at seeded coordinates;
 - engines restarted during any call (`EnginesRestarted`) are resynced and the call made again (`retried`).
@@ -72,6 +73,9 @@ class WeightSync:
         self.rollout = rollout
         self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift check looks
         self.buckets = train.resync_buckets(int(config.sync.bucket_mb * 2**20))
+        self.route = config.sync.resync_route  # how full resyncs travel: object_store | process_group
+        self.layouts = [train.bucket_layout(b) for b in self.buckets]  # what each bucket sends, in order
+        self.transfer_generation, self.transfer_restarts = 0, None  # the group's, and the restarts it followed
         self.engine_versions = [-1] * len(rollout)  # as the engines report them; -1: not loaded yet
         self.version: int | None = None  # the policy version the engines were last brought to
         # the residual keeps every engine weight at bf16(master) exactly: a drift is a fault to repair
@@ -102,6 +106,12 @@ class WeightSync:
         while results is None:
             try:
                 for index, bucket in enumerate(self.buckets):
+                    if self.route == "process_group" and engines is None:  # device to device, every engine at once
+                        self._transfer_group()
+                        receiving = self.rollout.receive_bucket(self.layouts[index], version, index, len(self.buckets))
+                        self.train.send_bucket(bucket)
+                        results = self.rollout.wait(receiving)
+                        continue
                     state = self.train.resync_bucket(bucket)
                     results = self.rollout.load_weights(state, version, index, len(self.buckets), engines)
                     del state  # frees it in the object store before the next one is gathered
@@ -110,6 +120,19 @@ class WeightSync:
         self._record(results)
         self.version = version
         return float(sum(bucket.nbytes for bucket in self.buckets))
+
+    def _transfer_group(self) -> None:
+        """Form the full resyncs' process group (train rank 0 and every engine process), again after engines were
+        restarted (a restarted process is not a member); every member joins at once (the rendezvous)."""
+        if self.transfer_restarts == self.rollout.restarts:
+            return
+        self.transfer_generation += 1
+        world_size = 1 + len(self.rollout) * self.config.rollout.gpus_per_engine
+        address = self.train.open_transfer(world_size, self.transfer_generation)
+        joining = self.rollout.join_transfer(address)
+        self.train.join_transfer(address)
+        self.rollout.wait(joining)
+        self.transfer_restarts = self.rollout.restarts
 
     def first_sync(self, version: int, engines_exact: bool) -> float:
         """Bring the engines to the trainer at the run's start; returns the bytes moved per engine.

@@ -16,6 +16,7 @@ import torch
 from logra_rl.config import RunConfig
 from logra_rl.logra.merge import residual_bytes
 from logra_rl.models.footprint import SYNCING, Lengths, Machine, ModelFootprint, Part
+from logra_rl.utils.transfer import Layout, TransferAddress
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,13 @@ class RolloutEngine(Protocol):
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Targeted weights at HF (rows, cols), full values (the drift check); targets the engine cannot
         read as HF values are left out."""
+
+    def join_transfer(self, address: TransferAddress, first_rank: int) -> None:
+        """Join the full resyncs' process group (`sync.resync_route=process_group`): this engine's processes are
+        ranks `first_rank` on (one per tensor-parallel worker); returns once every member has joined."""
+
+    def receive_bucket(self, layout: Layout, version: int, bucket: int, buckets: int) -> SyncResult:
+        """`load_weights` of a bucket that train rank 0 broadcasts in that group, device to device."""
 
 
 def engine_weights(config: RunConfig, model: ModelFootprint, merges: bool) -> tuple[Part, Part]:

@@ -34,6 +34,7 @@ from logra_rl.rollout.resync import BucketedResync, bucket_tensors
 from logra_rl.utils.device import resolve_device
 from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
+from logra_rl.utils.transfer import TRANSFER_TIMEOUT_S, Layout, TransferAddress, TransferGroup
 
 GENERATE_BATCH_ROWS = 256  # rows per generate call: bounds the KV cache of large eval sets
 
@@ -114,6 +115,7 @@ class HFEngine(RolloutEngine):
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
+        self.transfer: TransferGroup | None = None  # sync.resync_route=process_group
 
     @property
     def version(self) -> int:
@@ -188,6 +190,12 @@ class HFEngine(RolloutEngine):
         self.resync.receive(state, version, bucket, buckets)
         release_free_memory()
         return SyncResult(applied=True, version=self.version)
+
+    def join_transfer(self, address: TransferAddress, first_rank: int) -> None:
+        self.transfer = TransferGroup(address, first_rank, TRANSFER_TIMEOUT_S)
+
+    def receive_bucket(self, layout: Layout, version: int, bucket: int, buckets: int) -> SyncResult:
+        return self.load_weights(self.transfer.receive(layout), version, bucket, buckets)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The targeted weights at (rows, cols), as float32: the drift check."""

@@ -34,6 +34,7 @@ from logra_rl.rollout.base import (
 from logra_rl.rollout.resync import bucket_tensors
 from logra_rl.utils.memory import GIB, release_free_memory
 from logra_rl.utils.shards import combine_shards
+from logra_rl.utils.transfer import Layout, TransferAddress
 
 EXTENSION = "logra_rl.rollout.vllm_worker.LograWorkerExtension"
 ENGINE_INDEX = "LOGRA_ENGINE_INDEX"  # set by RolloutGroup in each engine actor's environment
@@ -207,6 +208,13 @@ class VLLMEngine(RolloutEngine):
         self, state: Mapping[str, np.ndarray | torch.Tensor], version: int, bucket: int = 0, buckets: int = 1
     ) -> SyncResult:
         return self._sync("logra_load", bucket_tensors(state), version, bucket, buckets)
+
+    def join_transfer(self, address: TransferAddress, first_rank: int) -> None:
+        """Every TP worker joins: worker t is rank `first_rank` + t."""
+        self.llm.collective_rpc("logra_join_transfer", args=(address, first_rank))
+
+    def receive_bucket(self, layout: Layout, version: int, bucket: int, buckets: int) -> SyncResult:
+        return self._sync("logra_receive_bucket", layout, version, bucket, buckets)
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Each coordinate comes from the TP rank that holds it (NaN on the others; replicated rows agree)."""

@@ -41,6 +41,7 @@ from logra_rl.rollout.resync import BucketedResync
 from logra_rl.rollout.vllm_layout import LayerGeometry, check_placement, layer_placements, loader_placement
 from logra_rl.utils.memory import release_free_memory
 from logra_rl.utils.state_dict import tied_duplicates
+from logra_rl.utils.transfer import TRANSFER_TIMEOUT_S, Layout, TransferAddress, TransferGroup
 
 logger = logging.getLogger(__name__)
 SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
@@ -199,6 +200,14 @@ class LograWorkerExtension:
         del cast
         release_free_memory()
         return SyncResult(applied=True, version=self.logra_merger.version)
+
+    def logra_join_transfer(self, address: TransferAddress, first_rank: int) -> None:
+        """Join the full resyncs' process group as rank `first_rank` + this worker's TP rank."""
+        self.logra_transfer = TransferGroup(address, first_rank + self.rank, TRANSFER_TIMEOUT_S)
+
+    def logra_receive_bucket(self, layout: Layout, version: int, bucket: int, buckets: int) -> SyncResult:
+        """A bucket broadcast by train rank 0 (on this worker's device), loaded as `logra_load` loads one."""
+        return self.logra_load(self.logra_transfer.receive(layout), version, bucket, buckets)
 
     def logra_weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Values at HF (rows, cols) of each target held by this rank (NaN where another rank holds them);

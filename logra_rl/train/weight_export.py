@@ -20,6 +20,7 @@ from logra_rl.train.api import LowRankPayloads, PayloadRef, ResyncBucket, Weight
 from logra_rl.train.lora import adapter_state, merged_state
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
 from logra_rl.utils.state_dict import tied_duplicates
+from logra_rl.utils.transfer import Layout, TransferAddress, TransferGroup, TransferStore, layout_of
 
 if TYPE_CHECKING:
     import ray
@@ -47,6 +48,8 @@ class WeightExport:
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.transfer_store: TransferStore | None = None  # rank 0, with sync.resync_route=process_group
+        self.transfer: TransferGroup | None = None
 
     def resync_buckets(self, max_bytes: int) -> list[ResyncBucket]:
         """The state dict's keys in buckets of about `max_bytes`, with the bytes each sends to an engine.
@@ -85,6 +88,33 @@ class WeightExport:
         if full is None:
             return None
         return ray.put({k: v.numpy() for k, v in (adapter_state(full) if self.lora else full).items()})
+
+    def bucket_layout(self, keys: tuple[str, ...]) -> Layout:
+        """What a bucket of `keys` sends the engines, names and shapes in order (no gathering: global shapes)."""
+        state = get_model_state_dict(self.model)
+        chosen = {key: state[key] for key in keys}
+        sent = adapter_state(chosen) if self.lora else chosen
+        return layout_of(sent, list(sent))
+
+    def open_transfer(self, host: str, world_size: int, generation: int, timeout_s: float) -> TransferAddress:
+        """Rank 0: host the transfer group's store on `host` (once, for the run) and say how to join the group's
+        `generation` of `world_size` members."""
+        if self.transfer_store is None:
+            self.transfer_store = TransferStore(host, timeout_s)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        return TransferAddress(host, self.transfer_store.port, world_size, backend, generation)
+
+    def join_transfer(self, address: TransferAddress, timeout_s: float) -> None:
+        """Rank 0 joins (or joins again: a group of a later generation) as the sender."""
+        if self.rank == 0:
+            self.transfer = TransferGroup(address, 0, timeout_s, self.transfer_store)
+
+    def send_bucket(self, keys: tuple[str, ...]) -> None:
+        """A collective over the train group (the bucket is gathered); rank 0 then broadcasts it to the engines."""
+        full = self._gathered(keys)
+        if full is not None:
+            sent = adapter_state(full) if self.lora else full
+            self.transfer.send(sent, layout_of(sent, list(sent)))
 
     def _gathered(self, keys: tuple[str, ...] | None) -> dict[str, torch.Tensor] | None:
         """The state dict's `keys` (default: all) gathered onto rank 0's CPU as they are named; None elsewhere."""

@@ -58,6 +58,7 @@ from logra_rl.utils.device import compute_dtype, resolve_device
 from logra_rl.utils.memory import GIB, peak_rss_bytes, release_free_memory, rss_bytes
 from logra_rl.utils.seeding import KL_ROWS_STREAM, stream_seed
 from logra_rl.utils.timing import Timer
+from logra_rl.utils.transfer import TRANSFER_TIMEOUT_S, Layout, TransferAddress
 
 if TYPE_CHECKING:
     import ray
@@ -535,6 +536,21 @@ class TrainWorker:
 
     def weights_at(self, coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return self.export.weights_at(coordinates)
+
+    def bucket_layout(self, keys: tuple[str, ...]) -> Layout:
+        return self.export.bucket_layout(keys)
+
+    def open_transfer(self, world_size: int, generation: int) -> TransferAddress:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return self.export.open_transfer(host, world_size, generation, TRANSFER_TIMEOUT_S)
+
+    def join_transfer(self, address: TransferAddress) -> None:
+        self.export.join_transfer(address, TRANSFER_TIMEOUT_S)
+
+    def send_bucket(self, keys: tuple[str, ...]) -> None:
+        self.export.send_bucket(keys)
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
 """Host memory and time of a full resync (trainer fp32 master → rollout engines) by bucket size.
 
     .venv/bin/python scripts/bench/bench_resync.py [--layers 24] [--hidden 1024] [--out bench_results/resync_bench.json]
+        [--routes object_store process_group] [--buckets-mb 4096 256 64] [--model DIR]
 
 Runs the real Controller through Ray on CPU: 2 FSDP2 train workers, 1 HF engine, a Qwen3-shaped
 model (24 layers of hidden 1024 by default: 167M parameters, 0.67 GB in fp32). For each
 `sync.bucket_mb` it resets every process's peak RSS (Linux `clear_refs`), runs full
 resyncs, and reports how far each process's peak rose above its resident size before the resync,
-plus the seconds per resync and the drift after it (0: the engine holds bf16(master) exactly).
+plus the seconds per resync and the drift after it (0: the engine holds bf16(master) exactly), for each route a
+resync's buckets take (`sync.resync_route`: Ray's object store, or a process group of their own).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import tempfile
 from pathlib import Path
 
 import psutil
+import torch
 from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
 from logra_rl.data import quickstart
@@ -36,7 +40,7 @@ def ray_processes(class_name: str) -> list[psutil.Process]:
     ]
 
 
-def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]:
+def measure(model_dir: Path, bucket_mb: float, repeats: int, route: str) -> dict[str, float]:
     with initialize_config_module(config_module="logra_rl.configs", version_base=None):
         cfg = compose(
             "config",
@@ -44,6 +48,8 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
                 "model=hf",
                 f"model.path={model_dir}",
                 f"sync.bucket_mb={bucket_mb}",
+                f"sync.resync_route={route}",
+                "cluster.memory_check=false",  # the plan counts training, which never runs here
                 "logger.progress=false",
             ],
         )
@@ -53,6 +59,7 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
     ):
         processes = {"train": ray_processes("TrainWorker"), "engine": ray_processes("HFEngine")}
         processes["driver"] = [psutil.Process()]
+        controller.weight_sync.full_resync(controller.policy_version)  # the process group formed: not timed
         before = {role: [reset_peak_rss(p.pid) for p in procs] for role, procs in processes.items()}
         resyncs, seconds = timed(
             lambda: [controller.weight_sync.full_resync(controller.policy_version) for _ in range(repeats)]
@@ -65,6 +72,7 @@ def measure(model_dir: Path, bucket_mb: float, repeats: int) -> dict[str, float]
         }
         buckets = len(controller.weight_sync.buckets)
     return {
+        "route": route,
         "bucket_mb": bucket_mb,
         "buckets": buckets,
         "fp32_gib": moved / GIB,
@@ -82,23 +90,28 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--buckets-mb", type=float, nargs="+", default=[4096, 256, 64])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--routes", nargs="+", default=["object_store", "process_group"])
+    parser.add_argument("--model", type=Path, default=None, help="an HF model directory instead of the built one")
     parser.add_argument("--out", type=Path, default=Path("bench_results/resync_bench.json"))
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as directory:
-        model_dir = Path(directory) / "model"
-        tokenizer = char_tokenizer(quickstart.ALPHABET)
-        model = tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers)
-        parameters = sum(p.numel() for p in model.parameters())
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        del model
-        rows = [measure(model_dir, bucket_mb, args.repeats) for bucket_mb in args.buckets_mb]
+        model_dir = args.model or Path(directory) / "model"
+        if args.model is None:
+            tokenizer = char_tokenizer(quickstart.ALPHABET)
+            model = tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers)
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+            del model
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        rows = [measure(model_dir, mb, args.repeats, route) for route in args.routes for mb in args.buckets_mb]
+        layers = config.num_hidden_layers
 
-    table = Table(
-        title=f"full resync, {parameters / 1e6:.0f}M-param Qwen3 ({args.layers} layers): peak RSS rise in GiB"
-    )
+    table = Table(title=f"full resync, {parameters / 1e6:.0f}M parameters ({layers} layers): peak RSS rise in GiB")
     for column in (
+        "route",
         "bucket MB",
         "buckets",
         "fp32 GiB",
@@ -111,6 +124,7 @@ def main() -> None:
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
+            r["route"],
             f"{r['bucket_mb']:g}",
             str(r["buckets"]),
             f"{r['fp32_gib']:.2f}",
@@ -123,7 +137,9 @@ def main() -> None:
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"parameters": parameters, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=2)
+        json.dumps(
+            {"model": str(args.model or "built"), "parameters": parameters, "layers": layers, "rows": rows}, indent=2
+        )
     )
     print(f"wrote {args.out}")
 

@@ -296,3 +296,31 @@ def test_engine_weights_that_drift_from_the_master_are_resynced_the_same_step(tm
     assert quiet["sync/drift"] > 0.01 and quiet["sync/full_resync_bytes"] > 0
     assert after == 0.0
     assert "differ from bf16(master)" in capsys.readouterr().out
+
+
+def test_a_full_resync_through_the_process_group_leaves_the_host_paths_bits(tmp_path, quickstart_model):
+    """sync.resync_route=process_group: train rank 0 broadcasts each bucket to the engine in a gloo group of their
+    own (the start-up resync too: the fp32 checkpoint is not bf16). After a step, a resync that way and one through
+    the object store leave the same engine weights at every coordinate and sample the same tokens."""
+    overrides = ["model=hf", f"model.path={quickstart_model}", "trainer.prompts_per_step=8", "logger.progress=false"]
+    overrides += ["sync.resync_route=process_group", "sync.bucket_mb=0.05"]  # several buckets
+    after = {}
+    with started(RunConfig.from_mapping(run_config(overrides)), tmp_path, {}) as controller:
+        sync = controller.weight_sync
+        assert sync.transfer_generation == 1 and len(sync.buckets) > 2  # formed for the start-up resync
+        first = controller.step(0)
+        prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
+        for route in ("process_group", "object_store"):
+            sync.route = route
+            moved = sync.full_resync(controller.policy_version)
+            weights = controller.rollout.weights_at(target_grid(controller))[0]
+            tokens = [(c.token_ids, c.logprobs) for c in controller.rollout.generate(prompts, controller.sampling(), 3)]
+            after[route] = (moved, weights, tokens, sync.drift(step=1))
+        master = controller.train.full_state()
+    assert first["sync/drift"] == 0.0 and first["sync/payload_bytes"] > 0
+    by_group, by_store = after["process_group"], after["object_store"]
+    assert by_group[0] == by_store[0] > 0  # the same bytes
+    assert all(torch.equal(by_group[1][name], by_store[1][name]) for name in by_store[1])
+    for name, values in by_group[1].items():
+        assert torch.equal(values, split_master(master[f"{name}.weight"])[0].float().flatten()), name
+    assert by_group[2] == by_store[2] and by_group[3] == by_store[3] == 0.0

@@ -216,3 +216,43 @@ def test_a_killed_vllm_engine_is_restarted_resynced_and_samples_the_same_tokens(
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
     assert [c.logprobs for c in after] == [c.logprobs for c in before]
     assert step["sync/drift"] == 0.0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_full_resync_through_the_process_group_leaves_the_host_paths_bits(tmp_path, quickstart_model, tp):
+    """sync.resync_route=process_group with vLLM: every TP worker is a member of the gloo group train rank 0
+    broadcasts in (the start-up resync went that way). A resync that way and one through the object store leave the
+    same weights at every coordinate, drift 0, and sample the same tokens."""
+    cfg = run_config(
+        [
+            "model=hf",
+            f"model.path={quickstart_model}",
+            "rollout.backend=vllm",
+            f"rollout.gpus_per_engine={tp}",
+            "sync.resync_route=process_group",
+            "sync.bucket_mb=0.05",
+            "trainer.prompts_per_step=8",
+            "logger.progress=false",
+        ]
+    )
+    after = {}
+    with started(RunConfig.from_mapping(cfg), tmp_path, {}) as controller:
+        sync = controller.weight_sync
+        assert sync.transfer_generation == 1
+        first = controller.step(0)
+        prompts = [p.token_ids for p in controller.sampler.next_batch(8)]
+        grid = {
+            name: tuple(torch.cartesian_prod(torch.arange(r), torch.arange(c)).T)
+            for name, (r, c) in sync.targets.items()
+        }
+        for route in ("process_group", "object_store"):
+            sync.route = route
+            sync.full_resync(controller.policy_version)
+            weights = controller.rollout.weights_at(grid)[0]
+            tokens = [(c.token_ids, c.logprobs) for c in controller.rollout.generate(prompts, controller.sampling(), 3)]
+            after[route] = (weights, tokens, sync.drift(step=1))
+    assert first["sync/drift"] == 0.0
+    by_group, by_store = after["process_group"], after["object_store"]
+    assert by_group[0].keys() == by_store[0].keys() and by_group[0]
+    assert all(torch.equal(by_group[0][name], by_store[0][name]) for name in by_store[0])
+    assert by_group[1] == by_store[1] and by_group[2] == by_store[2] == 0.0
