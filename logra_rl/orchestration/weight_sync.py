@@ -32,9 +32,10 @@ from logra_rl.logra import split_master
 from logra_rl.orchestration.rollout_group import EnginesRestarted, RolloutGroup
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rollout import MergeMode, SyncResult
-from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, PayloadRef, WeightUpdate
+from logra_rl.train.api import FullResync, LowRankPayloads, NoChange, PayloadRef, ResyncBucket, WeightUpdate
 from logra_rl.train.optimizers import update_rule_class
 from logra_rl.utils.seeding import DRIFT_STREAM, stream_seed
+from logra_rl.utils.transfer import Layout
 
 T = TypeVar("T")
 
@@ -74,7 +75,7 @@ class WeightSync:
         self.targets = targets  # HF name → (d_out, k_in) of every LoGRA target: where the drift check looks
         self.buckets = train.resync_buckets(int(config.sync.bucket_mb * 2**20))
         self.route = config.sync.resync_route  # how full resyncs travel: object_store | process_group
-        self.layouts = [train.bucket_layout(b) for b in self.buckets]  # what each bucket sends, in order
+        self.layouts: list[Layout] = []  # what each bucket sends, in order (the process group's route)
         self.transfer_generation, self.transfer_restarts = 0, None  # the group's, and the restarts it followed
         self.engine_versions = [-1] * len(rollout)  # as the engines report them; -1: not loaded yet
         self.version: int | None = None  # the policy version the engines were last brought to
@@ -98,34 +99,41 @@ class WeightSync:
         """Load bf16(master) (with exact residuals) into every engine (or `engines`: restarted ones); returns
         the bytes moved per engine.
 
-        The fp32 master streams in buckets (`sync.bucket_mb`): train rank 0 gathers one into
-        Ray's object store, the engines read it from there; no process holds the whole fp32 model. An engine
-        lost meanwhile starts again from the checkpoint: the resync starts again from its first bucket.
+        The fp32 master streams in buckets (`sync.bucket_mb`): train rank 0 gathers one, and it reaches the engines
+        through Ray's object store or, with `sync.resync_route=process_group`, a broadcast device to device; no
+        process holds the whole fp32 model. An engine lost meanwhile starts again from the checkpoint: the resync
+        starts again from its first bucket.
         """
         results = None
         while results is None:
             try:
                 for index, bucket in enumerate(self.buckets):
-                    if self.route == "process_group" and engines is None:  # device to device, every engine at once
-                        self._transfer_group()
-                        receiving = self.rollout.receive_bucket(self.layouts[index], version, index, len(self.buckets))
-                        self.train.send_bucket(bucket)
-                        results = self.rollout.wait(receiving)
-                        continue
-                    state = self.train.resync_bucket(bucket)
-                    results = self.rollout.load_weights(state, version, index, len(self.buckets), engines)
-                    del state  # frees it in the object store before the next one is gathered
+                    results = self._resync_bucket(index, bucket, version, engines)
             except EnginesRestarted:
                 results = None  # what the engines had loaded is no policy: every bucket again
         self._record(results)
         self.version = version
         return float(sum(bucket.nbytes for bucket in self.buckets))
 
+    def _resync_bucket(
+        self, index: int, bucket: ResyncBucket, version: int, engines: list[int] | None
+    ) -> dict[int, SyncResult]:
+        """Bucket `index` to the engines: broadcast in the process group (to every engine at once), or through
+        the object store (also to restarted engines alone), where it is freed when this returns."""
+        buckets = len(self.buckets)
+        if self.route == "process_group" and engines is None:
+            self._transfer_group()
+            receiving = self.rollout.receive_bucket(self.layouts[index], version, index, buckets)
+            self.train.send_bucket(bucket)
+            return self.rollout.wait(receiving)
+        return self.rollout.load_weights(self.train.resync_bucket(bucket), version, index, buckets, engines)
+
     def _transfer_group(self) -> None:
         """Form the full resyncs' process group (train rank 0 and every engine process), again after engines were
         restarted (a restarted process is not a member); every member joins at once (the rendezvous)."""
         if self.transfer_restarts == self.rollout.restarts:
             return
+        self.layouts = self.layouts or [self.train.bucket_layout(bucket) for bucket in self.buckets]
         self.transfer_generation += 1
         world_size = 1 + len(self.rollout) * self.config.rollout.gpus_per_engine
         address = self.train.open_transfer(world_size, self.transfer_generation)
