@@ -78,6 +78,26 @@ def join_master(weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     return _value_order(key).view(torch.float32)
 
 
+def master_of(weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 master a low-precision weight and its residual hold (exact for an fp32 or tail residual)."""
+    if residual is not None and residual.dtype == torch.int16:
+        return join_master(weight, residual)
+    master = weight.to(torch.float32, copy=True)
+    return master if residual is None else master.add_(residual)
+
+
+def store_master(weight: torch.Tensor, residual: torch.Tensor | None, master: torch.Tensor) -> None:
+    """weight ← round(master) and the residual ← what rounding left (exact for an fp32 or tail residual)."""
+    if residual is not None and residual.dtype == torch.int16:
+        rounded, tail = split_master(master)
+        weight.copy_(rounded)
+        residual.copy_(tail)
+        return
+    weight.copy_(master)
+    if residual is not None:
+        residual.copy_(master.float() - weight.float())
+
+
 def residual_torch_dtype(residual_dtype: str) -> torch.dtype | None:
     if residual_dtype not in RESIDUAL_DTYPES:
         raise ValueError(f"residual_dtype={residual_dtype!r}; choose one of {sorted(RESIDUAL_DTYPES)}")
@@ -201,19 +221,8 @@ def merge_low_rank_(
             if exact_in_place:
                 weight[rows].sub_(change)
                 continue
-            target = weight[rows]
-            if residual is not None and residual.dtype == torch.int16:
-                rounded, tail = split_master(join_master(target, residual[rows]) - change)
-                target.copy_(rounded)
-                residual[rows].copy_(tail)
-                continue
-            acc = target.to(torch.float32, copy=True)
-            if residual is not None:
-                acc += residual[rows]
-            acc -= change
-            target.copy_(acc)
-            if residual is not None:
-                residual[rows].copy_(acc - target)
+            part = None if residual is None else residual[rows]
+            store_master(weight[rows], part, master_of(weight[rows], part) - change)
 
 
 @dataclass
@@ -230,17 +239,8 @@ class MergeTarget:
     base: torch.Tensor | None = None
 
     def store(self, rows: slice, master: torch.Tensor) -> None:
-        """Set `rows` of the weight to round(master) and the residual to what rounding left (exact for an
-        fp32 or tail residual)."""
-        weight = self.weight[rows]
-        if self.residual is not None and self.residual.dtype == torch.int16:
-            rounded, tail = split_master(master)
-            weight.copy_(rounded)
-            self.residual[rows].copy_(tail)
-            return
-        weight.copy_(master)
-        if self.residual is not None:
-            self.residual[rows].copy_(master.float() - weight.float())
+        """`store_master` into `rows` of the weight and its residual."""
+        store_master(self.weight[rows], None if self.residual is None else self.residual[rows], master)
 
 
 def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "tail") -> dict[str, MergeTarget]:
@@ -252,8 +252,8 @@ def hf_targets(weights: Mapping[str, torch.Tensor], residual_dtype: str = "tail"
     }
 
 
-def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], version: int) -> None:
-    """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `targets`."""
+def _check_update(payload: UpdatePayload | AdapterPayload, targets: Mapping[str, MergeTarget], version: int) -> None:
+    """What every payload must be: the next version of these weights, with entries that fit the targets."""
     if payload.new_version != payload.base_version + 1:
         raise PayloadRefused(f"malformed payload: version {payload.base_version} -> {payload.new_version}")
     if payload.base_version != version:
@@ -272,6 +272,11 @@ def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], ve
             raise PayloadRefused(
                 f"{entry.name!r}: payload shape {(entry.d_out, entry.k_in)} != weight shape {target.hf_shape}"
             )
+
+
+def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], version: int) -> None:
+    """Raise PayloadRefused unless `payload` applies cleanly on top of `version` to `targets`."""
+    _check_update(payload, targets, version)
     first = payload.projection(payload.entries[0])
     if projection_fingerprint(first) != payload.fingerprint:
         raise PayloadRefused(
@@ -282,19 +287,9 @@ def check_payload(payload: UpdatePayload, targets: Mapping[str, MergeTarget], ve
 
 def check_adapters(payload: AdapterPayload, targets: Mapping[str, MergeTarget], version: int) -> None:
     """Raise PayloadRefused unless `payload` sets adapted `targets` that hold their bases, on top of `version`."""
-    if payload.new_version != payload.base_version + 1 or payload.base_version != version:
-        raise PayloadRefused(
-            f"adapter payload for version {payload.base_version} -> {payload.new_version}, these weights are at "
-            f"version {version}; resync if versions diverged"
-        )
-    if not payload.entries:
-        raise PayloadRefused("payload has no entries")
+    _check_update(payload, targets, version)
     for entry in payload.entries:
-        target = targets.get(entry.name)
-        if target is None or target.hf_shape != (entry.d_out, entry.k_in):
-            held = None if target is None else target.hf_shape
-            raise PayloadRefused(f"adapter payload sets {entry.name!r} {(entry.d_out, entry.k_in)}; held: {held}")
-        if target.base is None:
+        if targets[entry.name].base is None:
             raise PayloadRefused(
                 f"{entry.name!r} holds no base weight: the engine was not started for LoRA adapters (adapter_scale)"
             )

@@ -66,19 +66,17 @@ class EnginesRestarted(Exception):
         self.engines = engines  # None: which ones is not known (all are resynced)
 
 
-@dataclass
-class Generation:
-    """A generation launched on the engines and not yet collected: one object reference per engine used (its
-    contiguous chunk of the prompts, in order)."""
+@dataclass(frozen=True)
+class Pending:
+    """Calls started on engines and not waited for yet (`RolloutGroup.wait`, or `collect` for a generation)."""
 
     refs: dict[int, ray.ObjectRef]
 
 
 @dataclass(frozen=True)
-class Pending:
-    """Calls started on every engine and not waited for yet (their partner runs in another group)."""
-
-    refs: dict[int, ray.ObjectRef]
+class Generation(Pending):
+    """A generation launched on the engines and not yet collected: one object reference per engine used (its
+    contiguous chunk of the prompts, in order)."""
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ class WeightSync:
             return
         self.layouts = self.layouts or [self.train.bucket_layout(bucket) for bucket in self.buckets]
         self.transfer_generation += 1
-        world_size = 1 + len(self.rollout) * self.config.rollout.gpus_per_engine
+        world_size = 1 + len(self.rollout) * self.rollout.gpus_per_engine  # the ranks join_transfer gives
         address = self.train.open_transfer(world_size, self.transfer_generation)
         joining = self.rollout.join_transfer(address)
         self.train.join_transfer(address)
