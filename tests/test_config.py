@@ -160,21 +160,41 @@ def test_every_experiment_composes_and_validates(experiment):
         assert config.rollout.num_engines * config.rollout.gpus_per_engine == 4
 
 
-def test_the_real_model_preset_and_its_baselines_run_the_same_job():
-    """smollm2 and its tuned baselines (smollm2_dense, smollm2_lora) differ only in the update rule, so the
-    method comparison compares rules; LoGRA's rank fits every target and each schedule spans the run."""
-    config = RunConfig.from_mapping(compose_with(["+experiment=smollm2"]))
+@pytest.mark.parametrize("preset", ["smollm2", "smollm2_arithmetic"])
+def test_the_real_model_preset_and_its_baselines_run_the_same_job(preset):
+    """A real-model preset and its tuned baselines (<preset>_dense, <preset>_lora) differ only in the update rule,
+    so the method comparison compares rules; LoGRA's rank fits every target and each schedule spans the run."""
+    config = RunConfig.from_mapping(compose_with([f"+experiment={preset}"]))
     toy = RunConfig.from_mapping(compose_with([]))
     assert config.model.builder == "smollm2" and config.rollout.backend == "vllm"
     assert config.logra.kl.budget < toy.logra.kl.budget and config.logra.update_ratio < toy.logra.update_ratio
     assert config.logra.rank <= 192  # k_proj / v_proj: 3 KV heads x 64
     assert config.logra.kl.schedule_steps == config.trainer.total_steps
     for rule in ("dense", "lora"):
-        baseline = RunConfig.from_mapping(compose_with([f"+experiment=smollm2_{rule}"]))
+        baseline = RunConfig.from_mapping(compose_with([f"+experiment={preset}_{rule}"]))
         assert baseline.optimizer.name == rule and baseline.optimizer.schedule_steps == baseline.trainer.total_steps
         same = ("model", "data", "rollout", "trainer", "cluster", "logra")
         assert all(getattr(baseline, part) == getattr(config, part) for part in same)
         assert baseline.algorithm == config.algorithm
+
+
+def test_the_arithmetic_preset_is_smollm2_on_unseen_two_digit_questions():
+    """smollm2_arithmetic keeps smollm2's engine, batch and LoGRA step and changes the task: two-digit sums and
+    differences, its eval only questions its train set does not ask, over 60 steps."""
+    smollm2 = RunConfig.from_mapping(compose_with(["+experiment=smollm2"]))
+    config = RunConfig.from_mapping(compose_with(["+experiment=smollm2_arithmetic"]))
+    assert config.data.reasoning_gym["datasets"] == ["basic_arithmetic"]
+    assert set(config.data.reasoning_gym["config"]) == {"basic_arithmetic"}  # nothing merged in from smollm2
+    assert config.data.eval_unseen and config.trainer.total_steps == 60
+    assert (config.model, config.rollout, config.algorithm, config.eval) == (
+        smollm2.model,
+        smollm2.rollout,
+        smollm2.algorithm,
+        smollm2.eval,
+    )
+    assert config.logra == dataclasses.replace(
+        smollm2.logra, kl=dataclasses.replace(smollm2.logra.kl, schedule_steps=60)
+    )
 
 
 def test_default_is_the_quickstart():

@@ -32,6 +32,10 @@ class DataConfig:
     system_prompt: prepended as a system message to every prompt (replacing a record's own system message).
     seed: generator seed (reasoning_gym) and hold-out split seed (files).
     train_size / eval_size: how many examples; None → all records (files) or 10000 / 200 (reasoning_gym).
+    eval_unseen: hold out only questions the train set does not contain: an eval example whose prompt messages
+        equal a train example's is dropped (the count is printed); task `reasoning_gym` draws further eval items
+        until `eval_size` unseen ones remain. Off, a small question space (one-digit products: 100 questions)
+        shares questions between the two sets and the eval measures recall as well as generalisation.
     max_prompt_length / max_response_length: tokens (verl's names); longer prompts are dropped at start (the
         count is printed), responses are cut at max_response_length (and count in response_length/clip_ratio).
     reasoning_gym (task `reasoning_gym`): `datasets` is a list of reasoning-gym names (equal weights), a
@@ -53,6 +57,7 @@ class DataConfig:
     seed: int = 42
     train_size: int | None = None
     eval_size: int | None = None
+    eval_unseen: bool = False
     reasoning_gym: dict[str, Any] = field(default_factory=dict)
     max_prompt_length: int = 1024
     max_response_length: int = 4096
@@ -70,7 +75,8 @@ class DataConfig:
         for name in ("reward", "system_prompt"):
             value = getattr(self, name)
             check(value is None or isinstance(value, str), f"data.{name}", value, "give a string or null")
-        check(isinstance(self.grade_thinking, bool), "data.grade_thinking", self.grade_thinking, "give true or false")
+        for name in ("grade_thinking", "eval_unseen"):
+            check(isinstance(getattr(self, name), bool), f"data.{name}", getattr(self, name), "give true or false")
         check(isinstance(self.seed, int) and self.seed >= 0, "data.seed", self.seed, "give a non-negative integer")
         for name in ("train_size", "eval_size"):
             value = getattr(self, name)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from reasoning_gym import create_dataset
@@ -30,6 +31,7 @@ from logra_rl.rewards import get_reward_function
 DEFAULT_TRAIN_SIZE = 10_000
 DEFAULT_EVAL_SIZE = 200
 EVAL_SEED_OFFSET = 10**9  # below 2**32 with the seed: one dataset seeds numpy with seed + index
+UNSEEN_DRAWS = 20  # data.eval_unseen: at most this many eval draws per eval example kept
 # The "hard" mixture: equal weights; every reference answer scores 1.0 with its own scorer.
 HARD_MIXTURE = {
     "arc_1d": {"min_size": 25, "max_size": 40},  # above 40 one of its generators can loop forever
@@ -62,8 +64,19 @@ def load_reasoning_gym_task(config: DataConfig) -> Task:
     train_size = DEFAULT_TRAIN_SIZE if config.train_size is None else config.train_size
     eval_size = DEFAULT_EVAL_SIZE if config.eval_size is None else config.eval_size
     common = generator_kwargs, config, reward, answer_format
-    train = _generate(weights, config.seed, train_size, *common)
-    eval_ = _generate(weights, config.seed + EVAL_SEED_OFFSET, eval_size, *common)
+    train = list(_generate(weights, config.seed, train_size, *common))
+    draws = _generate(weights, config.seed + EVAL_SEED_OFFSET, UNSEEN_DRAWS * eval_size, *common)
+    if not config.eval_unseen:
+        return Task(name="reasoning_gym", train=train, eval=list(itertools.islice(draws, eval_size)))
+    # draw eval items in order, skipping the train set's questions, until eval_size remain
+    seen = {example.question for example in train}
+    eval_ = list(itertools.islice((e for e in draws if e.question not in seen), eval_size))
+    if len(eval_) < eval_size:
+        raise ValueError(
+            f"data.eval_unseen: only {len(eval_)} of {UNSEEN_DRAWS * eval_size} eval draws ask a question the "
+            f"{train_size} train examples do not; the question space is too small for data.eval_size={eval_size}: "
+            "lower data.train_size or data.eval_size, or widen the generator's settings"
+        )
     return Task(name="reasoning_gym", train=train, eval=eval_)
 
 
@@ -132,16 +145,18 @@ def _generate(
     config: DataConfig,
     reward: str,
     answer_format: str,
-) -> list[Example]:
+) -> Iterator[Example]:
+    """Items 0..size-1 of the dataset seeded `seed`, as examples, each generated when it is read."""
     if size == 0:
-        return []
+        return
     if len(weights) == 1:
         [name] = weights
         dataset = create_dataset(name, **generator_kwargs.get(name, {}), seed=seed, size=size)
     else:
         specs = [DatasetSpec(name=name, weight=w, config=generator_kwargs.get(name, {})) for name, w in weights.items()]
         dataset = create_dataset("composite", datasets=specs, seed=seed, size=size)
-    return [_example(dataset[i], generator_kwargs, config, reward, answer_format) for i in range(size)]
+    for i in range(size):
+        yield _example(dataset[i], generator_kwargs, config, reward, answer_format)
 
 
 def _example(

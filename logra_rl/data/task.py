@@ -48,6 +48,11 @@ class Example:
         if not isinstance(self.answer, str):
             raise ValueError(f"example answer must be a string, got {self.answer!r}")
 
+    @property
+    def question(self) -> tuple[tuple[str, str], ...]:
+        """The prompt messages as a hashable key: two examples with the same key ask the same question."""
+        return tuple((m["role"], m["content"]) for m in self.messages)
+
 
 @dataclass
 class Task:
@@ -76,10 +81,26 @@ def load_task(config: DataConfig) -> Task:
     task = _TASKS[config.task](config)
     if not task.train:
         raise ValueError(f"task {config.task!r} has no training examples; check data.train_files / data.train_size")
+    if config.eval_unseen:
+        task.eval = unseen(task.eval, task.train)
     if config.grade_thinking:  # the rewards read it from each example's metadata
         task.train = [replace(e, metadata={**e.metadata, "grade_thinking": True}) for e in task.train]
         task.eval = [replace(e, metadata={**e.metadata, "grade_thinking": True}) for e in task.eval]
     return task
+
+
+def unseen(examples: list[Example], train: list[Example]) -> list[Example]:
+    """The examples whose prompt messages no train example has (`data.eval_unseen`); the count dropped is printed."""
+    seen = {example.question for example in train}
+    kept = [example for example in examples if example.question not in seen]
+    if len(kept) < len(examples):
+        print(f"[logra] data.eval_unseen: dropped {len(examples) - len(kept)} eval examples the train set also has")
+    if examples and not kept:
+        raise ValueError(
+            "data.eval_unseen=true dropped every eval example: the train set has them all; give eval examples of "
+            "their own (data.val_files), a smaller data.train_size, or data.eval_unseen=false"
+        )
+    return kept
 
 
 def _import_builtin_tasks() -> None:

@@ -12,7 +12,9 @@ side by side would measure contention) into OUT/runs/<arm>/seed<k>/; a run that 
 is not rerun, an unfinished or shorter one resumes from its last checkpoint (every 10 steps: a 10-step
 learning-rate sweep run is the first half of that arm's 20-step run). Per arm, over the seeds (mean, sample
 standard deviation, min, max):
-- held-out pass@1 and pass@k at every eval;
+- held-out pass@1 and pass@k at every eval, with the eval's sampling noise (`pass@1_stderr`: how far a second
+  eval of the same weights could land) and each seed's gain over the last `--late-window` steps (20: levelled off
+  or still rising);
 - the KL each update moved the policy: `train/kl_realized`, the exact KL(π_before ‖ π_after) per generated
   token on the same guard rows for every rule (LoGRA measures it before its commit; dense and LoRA run the
   rows before and after the AdamW step), its median per step and its running sum (the cumulative KL at each
@@ -71,7 +73,12 @@ def run_summary(run: Run, steps: int) -> dict[str, Any]:
     run = Run(path=run.path, config=run.config, records=records)
     cumulative = cumulative_kl(run)
     evals = {
-        r["step"]: {"pass@1": r[run.pass1_key], "pass@k": r.get(run.passk_key), "cumulative_kl": cumulative[r["step"]]}
+        r["step"]: {
+            "pass@1": r[run.pass1_key],
+            "pass@k": r.get(run.passk_key),
+            "cumulative_kl": cumulative[r["step"]],
+            "pass@1_stderr": r.get(f"{run.pass1_key}_stderr"),  # the eval's own sampling noise
+        }
         for r in run.records
         if run.pass1_key and r.get(run.pass1_key) is not None
     }
@@ -108,19 +115,30 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def arm_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Mean and spread over seeds, at each eval step every seed logged."""
+def arm_summary(runs: dict[int, dict[str, Any]], late_window: int) -> dict[str, Any]:
+    """Mean and spread over seeds, at each eval step every seed logged; each seed's pass@1 gain from the last eval
+    at least `late_window` steps before the end to the end (an arm gaining less than its eval noise has levelled
+    off)."""
     steps = sorted(set.intersection(*(set(r["evals"]) for r in runs.values())))
     evals = {
         step: {key: spread([r["evals"][step][key] for r in runs.values()]) for key in EVAL_KEYS}
         for step in steps
         if all(r["evals"][step]["pass@k"] is not None for r in runs.values())
     }
+    for step, summary in evals.items():
+        noise = [r["evals"][step]["pass@1_stderr"] for r in runs.values()]
+        summary["pass@1_stderr"] = statistics.fmean(noise) if None not in noise else None
     kl = [v for r in runs.values() for v in r["kl_per_step"].values()]
     walls = [r["wall_s"] for r in runs.values() if r["wall_s"] is not None]
+    last = max(steps, default=0)
+    before = [step for step in steps if step <= last - late_window]
     return {
         "seeds": sorted(runs),
         "evals": evals,
+        "late_window": late_window,
+        "late_gain": spread([r["evals"][last]["pass@1"] - r["evals"][before[-1]]["pass@1"] for r in runs.values()])
+        if before
+        else None,
         "kl_per_step_median": statistics.median(kl) if kl else None,
         "train_memory_avg_gib": spread([r["train_memory_avg_gib"] for r in runs.values()]),
         "train_memory_peak_gib": spread([r["train_memory_peak_gib"] for r in runs.values()]),
@@ -186,6 +204,8 @@ def print_table(
         "pass@k last",
         "cum. KL last",
         "KL/step (median)",
+        "eval noise (SE)",
+        "gain, last steps",
         f"pass@1 @ KL {at_kl[0]:.2g}",
         f"train reward @ KL {reward_kl[0]:.2g}",
         "train GiB avg / peak",
@@ -203,6 +223,8 @@ def print_table(
             fmt(last["pass@k"]),
             fmt(last["cumulative_kl"], ".2g"),
             f"{s['kl_per_step_median']:.2g}" if s["kl_per_step_median"] is not None else "—",
+            f"{last['pass@1_stderr']:.3f}" if last["pass@1_stderr"] is not None else "—",
+            f"{fmt(s['late_gain'])} ({s['late_window']})" if s["late_gain"] else "—",
             f"{at_kl[1][arm]:.3f}" if arm in at_kl[1] else "—",
             fmt(reward_kl[1].get(arm)),
             f"{s['train_memory_avg_gib']['mean']:.1f} / {s['train_memory_peak_gib']['mean']:.1f}",
@@ -304,6 +326,7 @@ def main() -> None:
         default=10,
         help="a run checkpointed at step 10 extends to 20 without redoing it",
     )
+    parser.add_argument("--late-window", type=int, default=20, help="steps over which the late gain is measured")
     parser.add_argument("--report-only", action="store_true", help="only summarise the finished runs under OUT")
     args = parser.parse_args()
     arms = parse_arms(args.arm, args.preset)
@@ -320,7 +343,7 @@ def main() -> None:
             for seed in seeds
             if finished(run_dir(args.out, arm, seed), args.steps)
         }
-        summary = arm_summary(runs) if runs else None
+        summary = arm_summary(runs, args.late_window) if runs else None
         if summary and summary["evals"]:
             summaries[arm] = summary
         elif runs:

@@ -100,3 +100,23 @@ def test_the_hard_preset_mixes_eight_tasks_whose_reference_answers_score_one():
 def test_the_eval_split_does_not_depend_on_train_size():
     small, large = (_config(reasoning_gym={"datasets": ["gcd"]}, train_size=n, eval_size=5) for n in (3, 50))
     assert [e.messages for e in load_task(small).eval] == [e.messages for e in load_task(large).eval]
+
+
+def test_eval_unseen_holds_out_only_questions_the_train_set_lacks():
+    # one-digit products: 100 questions, all of which 1000 train examples ask; a plain eval repeats them
+    spec = {"datasets": ["products"], "config": {"products": {"min_digits": 1, "max_digits": 1}}}
+    plain = load_task(_config(reasoning_gym=spec, train_size=1000, eval_size=10))
+    train_questions = {e.question for e in plain.train}
+    assert len(train_questions) == 100 and all(e.question in train_questions for e in plain.eval)
+    small_space = _config(reasoning_gym=spec, train_size=1000, eval_size=10, eval_unseen=True)
+    with pytest.raises(ValueError, match=r"question space is too small for data.eval_size=10: lower data.train_size"):
+        load_task(small_space)
+    # two-digit sums: 8100 questions; the unseen eval keeps the plain eval's unseen items, in order, and fills up
+    spec = {"datasets": ["chain_sum"], "config": {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 2}}}
+    spec["config"]["chain_sum"]["max_digits"] = 2
+    plain = load_task(_config(reasoning_gym=spec, train_size=2000, eval_size=200))
+    unseen = load_task(_config(reasoning_gym=spec, train_size=2000, eval_size=200, eval_unseen=True))
+    train_questions = {e.question for e in unseen.train}
+    assert len(unseen.eval) == 200 and not {e.question for e in unseen.eval} & train_questions
+    kept = [e.question for e in plain.eval if e.question not in train_questions]
+    assert 0 < len(kept) < 200 and [e.question for e in unseen.eval][: len(kept)] == kept

@@ -43,3 +43,22 @@ def test_examples_pickle_and_serialise_to_json():
 def test_malformed_examples_are_refused(messages, answer):
     with pytest.raises(ValueError, match="example"):
         Example(messages=messages, answer=answer, reward="exact_match")
+
+
+@register_task("test_task_overlap")
+def _load_overlapping_task(config: DataConfig) -> Task:
+    def example(question: str) -> Example:
+        return Example(messages=[{"role": "user", "content": question}], answer="2", reward="exact_match")
+
+    return Task(
+        name="test_task_overlap", train=[example("a"), example("b")], eval=[example(q) for q in config.val_files]
+    )
+
+
+def test_eval_unseen_drops_eval_questions_the_train_set_has(capsys):
+    task = load_task(DataConfig(task="test_task_overlap", val_files=["b", "c", "a", "d"], eval_unseen=True))
+    assert [e.messages[0]["content"] for e in task.eval] == ["c", "d"]
+    assert "dropped 2 eval examples the train set also has" in capsys.readouterr().out
+    assert len(load_task(DataConfig(task="test_task_overlap", val_files=["b", "c", "a", "d"])).eval) == 4
+    with pytest.raises(ValueError, match="dropped every eval example: the train set has them all"):
+        load_task(DataConfig(task="test_task_overlap", val_files=["a", "b"], eval_unseen=True))

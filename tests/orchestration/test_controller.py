@@ -106,7 +106,9 @@ def test_steps_through_ray_keep_rollout_weights_equal_to_rounded_master(tmp_path
     assert "logra/kl_predicted" not in history[0] and all("logra/kl_predicted" in m for m in history[1:])
     assert sum(m["reward/grader_timeouts"] for m in history) > 0  # answer "3" hangs and was cut off
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
-    assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4"}
+    assert set(evaluation) == {"eval/quickstart/pass@1", "eval/quickstart/pass@4", "eval/quickstart/pass@1_stderr"}
+    # 10 prompts x 4 samples: each prompt's variance term is at most 1/(4·3), so the error at most 1/(2·√(10·3))
+    assert 0 <= evaluation["eval/quickstart/pass@1_stderr"] <= 1 / (2 * 30**0.5)
     assert isinstance(sent, PayloadRef) and (sent.base_version, sent.new_version) == (3, 4)
     assert (received.base_version, received.new_version) == (3, 4) and sent.nbytes > received.factor_bytes
     assert duplicate["sync/refused"] == 1 and duplicate["sync/full_resync_bytes"] > 0

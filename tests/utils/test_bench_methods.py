@@ -24,6 +24,7 @@ def write_run(path: Path, kl: list[float], pass1: dict[int, float]) -> None:
             record |= {"memory/train_avg_gib": 2.0, "memory/train_peak_gib": 3.0 + step, "train/skipped": 0.0}
         if step in pass1:
             record |= {"eval/products/pass@1": pass1[step], "eval/products/pass@4": min(1.0, 2 * pass1[step])}
+            record |= {"eval/products/pass@1_stderr": 0.01 + 0.01 * step}
         records.append(record)
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
 
@@ -35,6 +36,7 @@ def test_report_means_seeds_and_compares_at_equal_cumulative_kl(tmp_path):
     write_run(out / "runs/b/seed1", [0.001] * 6, {0: 0.4, 2: 0.45, 4: 0.5, 6: 0.9})  # longer: cut at 4
     write_run(out / "runs/b/seed2", [0.001] * 4, {0: 0.4, 2: 0.55, 4: 0.6})
     args = ["--report-only", "--steps", "4", "--seeds", "1,2", "--out", str(out), "--arm", "a=", "--arm", "b="]
+    args += ["--late-window", "2"]
     result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "methods.json").read_text())
@@ -44,6 +46,9 @@ def test_report_means_seeds_and_compares_at_equal_cumulative_kl(tmp_path):
     assert a["evals"]["4"]["pass@1"]["std"] == pytest.approx(0.0707107, rel=1e-5)
     assert b["evals"]["4"]["pass@1"]["mean"] == pytest.approx(0.55)  # seed 1's step-6 eval is past the cut
     assert a["evals"]["2"]["cumulative_kl"]["mean"] == pytest.approx(0.03)  # seed 1: 0.02, seed 2: 0.04
+    assert a["evals"]["4"]["pass@1_stderr"] == pytest.approx(0.05)  # the eval's sampling noise, over seeds
+    # the gain over the last 2 steps (eval 2 → 4): a's seeds +0.2 each, b's +0.05 each
+    assert a["late_gain"]["mean"] == pytest.approx(0.2) and b["late_gain"]["mean"] == pytest.approx(0.05)
     assert b["evals"]["4"]["cumulative_kl"]["mean"] == pytest.approx(0.004)
     # equal KL: b's final 0.004 is the smaller; a's mean curve (0 → 0.4, 0.03 → 0.55) gives 0.42 there
     assert report["pass@1_at_equal_kl"] == pytest.approx({"kl": 0.004, "a": 0.42, "b": 0.55})
