@@ -51,14 +51,42 @@ RESUME_MAY_CHANGE = (
 )
 
 
+# The LoGRA step controller's settings: only `optimizer=logra` reads them (dense and LoRA measure their KL on the
+# guard's rows, `logra.kl.guard_responses` / `probe_max_tokens` / `forward_tokens`, which stay fixed), so a
+# baseline resumes after a shared preset retunes LoGRA's budget.
+LOGRA_STEP_CONTROL = tuple(
+    f"logra.kl.{name}"
+    for name in (
+        "budget",
+        "final_budget",
+        "schedule",
+        "schedule_steps",
+        "alpha_max",
+        "max_overshoot",
+        "max_tries",
+        "estimator",
+        "fd_step",
+        "probe_responses",
+        "guard_confidence",
+        "mismatch_subtraction",
+        "mismatch_ema_weight",
+        "mismatch_budget_floor",
+    )
+)
+
+
 def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE). A setting the
-    saved run predates (absent from its config, added by a later version) takes its current value."""
+    """`key: saved → current` for each setting a resume may not change (see RESUME_MAY_CHANGE; for a run whose
+    update rule is not LoGRA, LOGRA_STEP_CONTROL too). A setting the saved run predates (absent from its config,
+    added by a later version) takes its current value."""
     old, new = flatten(saved), flatten(current)
+    may_change = RESUME_MAY_CHANGE
+    if old.get("optimizer.name", "logra") == new.get("optimizer.name", "logra") != "logra":
+        may_change += LOGRA_STEP_CONTROL
     return [
         f"{key}: {old.get(key)!r} → {new.get(key)!r}"
         for key in sorted(old.keys() | new.keys())
-        if key in old and old.get(key) != new.get(key) and not key.startswith(RESUME_MAY_CHANGE)
+        if key in old and old.get(key) != new.get(key) and not key.startswith(may_change)
     ]
 
 

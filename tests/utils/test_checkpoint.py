@@ -71,3 +71,24 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumed(tmp_path):
     assert "update_state.pt" in skipped[1]
     (root / "step_3" / "controller.json").write_text('{"step": 3')  # a torn controller state
     assert checkpoints.resumable()[0] is None
+
+
+def test_a_baseline_resumes_after_its_preset_retunes_logra_step_control():
+    """Dense and LoRA never read LoGRA's step controller: a shared preset may retune its budget under a baseline's
+    run; the KL rows every rule measures on, and the rule itself, may not change."""
+    from logra_rl.utils.checkpoint import resume_conflicts
+
+    def run(rule: str, budget: float, guard_responses: int = 16) -> dict:
+        kl = {"budget": budget, "final_budget": budget / 4, "guard_responses": guard_responses}
+        return {"optimizer": {"name": rule, "lr": 4e-5}, "logra": {"rank": 64, "kl": kl}}
+
+    assert resume_conflicts(run("dense", 4e-2), run("dense", 1e-2)) == []
+    assert resume_conflicts(run("lora", 4e-2), run("lora", 1e-2)) == []
+    assert resume_conflicts(run("logra", 4e-2), run("logra", 1e-2)) == [
+        "logra.kl.budget: 0.04 → 0.01",
+        "logra.kl.final_budget: 0.01 → 0.0025",
+    ]
+    assert resume_conflicts(run("dense", 4e-2), run("dense", 4e-2, guard_responses=8)) == [
+        "logra.kl.guard_responses: 16 → 8"
+    ]
+    assert resume_conflicts(run("dense", 4e-2), run("logra", 1e-2))[-1] == "optimizer.name: 'dense' → 'logra'"
