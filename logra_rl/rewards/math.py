@@ -4,12 +4,13 @@ Extraction (logra_rl.rewards.answers, docs/data.md): after any thinking, the las
 else the last answer phrase's maths, else the last maths of the response. The prompt is never searched: a response
 with no answer scores 0 even if the question contains one.
 
-Comparison: identical text (ignoring spaces and `\text{}` wrappers) is correct; two plain numbers (integers,
-decimals, `a/b`, `\frac{a}{b}`, mixed numbers) are compared exactly in Python, deferring to math-verify only where
-its 6-decimal rounding could matter; inequalities and memberships become intervals; everything else is
-`math_verify.verify(parse(gold), parse(prediction))`. The number fast path
-gives math-verify's verdict without its LaTeX parse (2-10 ms), which matters because DAPO-Math answers are integers;
-that parse itself is made ~3x faster by ANTLR's two-stage parsing (`_use_two_stage_latex_parsing`).
+Comparison: identical text (ignoring spaces and `\text{}` wrappers) is correct; against a number, arithmetic left
+to do (`36 - 5` for 31) is wrong, though math-verify would evaluate it (`_is_computation`); two plain numbers
+(integers, decimals, `a/b`, `\frac{a}{b}`, mixed numbers) are compared exactly in Python, deferring to math-verify
+only where its 6-decimal rounding could matter; inequalities and memberships become intervals; everything else is
+`math_verify.verify(parse(gold), parse(prediction))`. The number fast path gives math-verify's verdict without its
+LaTeX parse (2-10 ms), which matters because DAPO-Math answers are integers; that parse itself is made ~3x faster by
+ANTLR's two-stage parsing (`_use_two_stage_latex_parsing`).
 
 Time limit: math-verify's own timeouts use `signal.alarm` and fail off a process's main thread, so they are off
 here. On a main thread an interval timer (SIGALRM, the caller's handler and timer restored afterwards) interrupts
@@ -111,6 +112,13 @@ _RELATION = re.compile(r"(<=|>=|<|>|≤|≥|\\[lg]eq(?:slant)?(?![a-zA-Z])|\\[lg
 _UNION = re.compile(r"\s*(?:\\text\{\s*or\s*\}|\bor\b|\\cup(?![a-zA-Z])|\\l?or(?![a-zA-Z])|\\vee(?![a-zA-Z]))\s*")
 _VARIABLE = re.compile(r"[a-zA-Z](?:_\{?\w+\}?)?")
 _MEMBERSHIP = re.compile(r"(?P<variable>[a-zA-Z](?:_\{?\w+\}?)?)\s*\\in(?![a-zA-Z])\s*(?P<set>.+)", re.DOTALL)
+# Numbers and arithmetic only, once `\times`, `\cdot` and `\div` are operators and spacing, `\left`, `\right` and
+# `\frac` are spaces (`\frac{6}{3}` is then `{6}{3}`: a number, as `_number` reads it).
+_ARITHMETIC_COMMAND = re.compile(r"\\(?:left|right|[,;:! ]|[dt]?frac|times|cdot|div)(?![a-zA-Z])")
+_OPERATOR_OF = {r"\times": "*", r"\cdot": "*", r"\div": "/"}
+_ARITHMETIC = re.compile(r"[\d\s.,+\-−*/×÷^(){}\[\]]*\d[\d\s.,+\-−*/×÷^(){}\[\]]*")
+_BINARY_OPERATOR = re.compile(r"[\d)}\]]\s*[+\-−*/×÷^]")  # after an operand: `{-1}` is a sign, `3 - 1` is not
+_SCIENTIFIC = re.compile(r"[-+]?\d+(?:\.\d+)?\s*[*×]\s*10\s*\^\s*\{?\s*[-+]?\d+\s*\}?")
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")  # math already delimited (an escaped \$ is a dollar sign)
 
 
@@ -170,6 +178,8 @@ def _verdict(response: str, ground_truth: str, grade_thinking: bool) -> bool:
     if _plain_text(gold) in (plain, answer.sentence and _plain_text(answer.sentence)):
         return True
     numbers = _number(gold), _number(prediction)
+    if numbers[0] is not None and numbers[1] is None and _is_computation(prediction):
+        return False  # "Calculate 36 - 5." answered `36 - 5`: math-verify would evaluate it to 31
     if None not in numbers:
         equal = _numbers_equal(*numbers, exact="." not in gold + prediction)
         if equal is not None:
@@ -259,6 +269,18 @@ def _number(text: str) -> Fraction | None:
     else:
         value = Fraction(match["dec"].replace(",", ""))
     return -value if match["sign"] == "-" else value
+
+
+def _is_computation(answer: str) -> bool:
+    r"""Whether the answer (its right-hand side after any `=`) is arithmetic on numbers left to do: `36 - 5`,
+    `7 \times 8`, `2^{10}`. Against a number, such an answer restates the question rather than answering it, as in
+    PRM800K's grader, where an integer reference answer takes only an integer; a number written in scientific
+    notation (`1.5 \times 10^{3}`) and a signed fraction (`\frac{-1}{2}`) are numbers, not computations."""
+    answer = answer.rsplit("=", 1)[-1].strip().strip("$")
+    answer = _ARITHMETIC_COMMAND.sub(lambda command: _OPERATOR_OF.get(command[0], " "), answer).strip()
+    if not answer or _SCIENTIFIC.fullmatch(answer) or not _ARITHMETIC.fullmatch(answer):
+        return False
+    return bool(_BINARY_OPERATOR.search(answer))
 
 
 def _numbers_equal(gold: Fraction, prediction: Fraction, exact: bool) -> bool | None:

@@ -136,7 +136,7 @@ def main() -> None:
             result = {}
 
             def body(response: str = response, result: dict = result) -> None:
-                result["reward"], result["seconds"] = timed(lambda: grade(response, "3", timeout_s=1.0))
+                result["reward"], result["seconds"] = timed(lambda: grade(response, r"\sqrt{3}", timeout_s=1.0))
 
             run(body)
             timeouts.append({"response": response, "where": where, "timeout_s": 1.0, **result})

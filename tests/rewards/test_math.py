@@ -14,6 +14,8 @@ from logra_rl.rewards.math import gold_parses, grade
 TIMEOUT_S = 1.0
 TOWER = r"\boxed{2^{2^{2^{2^{2^2}}}}}"  # sympy would evaluate this far beyond any timeout
 PATHOLOGICAL = [TOWER, r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{9})!}"]
+# Graded against a symbolic answer: against a number, arithmetic on numbers alone is refused before sympy.
+SYMBOLIC = r"\sqrt{3}"
 
 # (response, reference answer, verdict) — verdicts are math-verify's, except where the docstring of
 # logra_rl.rewards.math says the text comparison decides first (`\text{Evelyn}` vs `Evelyn`).
@@ -73,6 +75,20 @@ CASES = [
     (r"\boxed{x = 5}", "5", 1.0),
     (r"\boxed{6 - 5i}", "6-5i", 1.0),
     (r"\boxed{p-q}", "p - q", 1.0),
+    # arithmetic left to do is no answer to a number: a policy that echoes "Calculate 36 - 5." scored 1.0 before
+    ("36 - 5", "31", 0.0),
+    (r"\boxed{35 - 54}", "-19", 0.0),
+    (r"\boxed{7 \times 8}", "56", 0.0),
+    (r"\boxed{7 \cdot 8}", "56", 0.0),
+    (r"\boxed{2^{10}}", "1024", 0.0),
+    (r"\boxed{\frac{36-5}{1}}", "31", 0.0),
+    (r"\boxed{x = 36 - 5}", "31", 0.0),
+    ("36 - 5 = 31", "31", 1.0),  # worked, then answered
+    (r"\boxed{1.5 \times 10^{3}}", "1500", 1.0),  # scientific notation is a number
+    (r"\boxed{\frac{-1}{2}}", "-0.5", 1.0),  # a sign, not a subtraction
+    (r"\boxed{\left(-19\right)}", "-19", 1.0),
+    (r"\boxed{\sqrt{4}}", "2", 1.0),  # not arithmetic on numbers alone: math-verify decides
+    (r"\boxed{2+3}", "2+3", 1.0),  # the reference answer is itself an expression
     # no answer at all
     ("I am not sure how to solve this.", "3", 0.0),
     ("", "3", 0.0),
@@ -138,7 +154,7 @@ def test_pathological_answers_time_out_on_the_main_thread_and_restore_the_caller
     try:
         for response in PATHOLOGICAL:
             start = time.monotonic()
-            assert grade(response, "3", timeout_s=TIMEOUT_S) == 0.0
+            assert grade(response, SYMBOLIC, timeout_s=TIMEOUT_S) == 0.0
             assert time.monotonic() - start < TIMEOUT_S + 0.5
         assert grade(r"\boxed{\frac{1}{2}}", "0.5", timeout_s=TIMEOUT_S) == 1.0
         remaining, _ = signal.getitimer(signal.ITIMER_REAL)
@@ -152,7 +168,7 @@ def test_pathological_answers_time_out_on_the_main_thread_and_restore_the_caller
 def test_the_math_reward_reports_its_timeout(monkeypatch):
     monkeypatch.setattr(math_grader, "DEFAULT_TIMEOUT_S", TIMEOUT_S)
     with pytest.raises(GraderTimeout, match=r"longer than 1\.0s"):
-        math_reward(TOWER, "3", {})
+        math_reward(TOWER, SYMBOLIC, {})
 
 
 def _timed(response: str, answer: str) -> tuple[float, float]:
@@ -165,7 +181,7 @@ def test_worker_threads_grade_in_subprocesses_with_the_same_timeout():
     with ThreadPoolExecutor(max_workers=2) as threads:
         assert list(threads.map(lambda pair: grade(*pair), ordinary)) == [1.0] * 20 + [0.0]
         # One at a time, on a grading subprocess the items above started (its start-up is not timed).
-        timed = threads.submit(lambda: [_timed(response, "3") for response in PATHOLOGICAL]).result()
+        timed = threads.submit(lambda: [_timed(response, SYMBOLIC) for response in PATHOLOGICAL]).result()
     assert [reward for reward, _ in timed] == [0.0] * len(PATHOLOGICAL)
     assert max(seconds for _, seconds in timed) < TIMEOUT_S + 0.5
 
@@ -190,7 +206,7 @@ def test_a_stuck_grading_subprocess_is_killed_and_replaced():
 
 
 def test_a_process_pool_grades_on_its_workers_main_threads():
-    items = [(r"\boxed{\frac{1}{2}}", "0.5"), (TOWER, "3"), ("Answer: 34", "34"), (r"\boxed{2}", "3")]
+    items = [(r"\boxed{\frac{1}{2}}", "0.5"), (TOWER, SYMBOLIC), ("Answer: 34", "34"), (r"\boxed{2}", "3")]
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as processes:
         start = time.monotonic()
         rewards = list(processes.map(grade, *zip(*items, strict=True), [TIMEOUT_S] * len(items)))

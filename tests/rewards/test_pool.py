@@ -28,7 +28,7 @@ def test_results_keep_order_and_a_pathological_item_times_out_alone(pool):
     entry = create_dataset("gcd", size=1, seed=3)[0]
     requests = [
         GradeRequest("math_verify", r"\boxed{\frac{1}{2}}", "0.5"),
-        GradeRequest("math_verify", PATHOLOGICAL, "3"),
+        GradeRequest("math_verify", PATHOLOGICAL, r"\sqrt{3}"),
         GradeRequest("math_verify", r"\boxed{2}", "3"),
         GradeRequest(
             "reasoning_gym", f"<answer>{entry['answer']}</answer>", entry["answer"], {"dataset": "gcd", "entry": entry}
