@@ -178,7 +178,7 @@ def _verdict(response: str, ground_truth: str, grade_thinking: bool) -> bool:
     if _plain_text(gold) in (plain, answer.sentence and _plain_text(answer.sentence)):
         return True
     numbers = _number(gold), _number(prediction)
-    if numbers[0] is not None and numbers[1] is None and _is_computation(prediction):
+    if numbers[0] is not None and _is_computation(prediction):
         return False  # "Calculate 36 - 5." answered `36 - 5`: math-verify would evaluate it to 31
     if None not in numbers:
         equal = _numbers_equal(*numbers, exact="." not in gold + prediction)
@@ -275,8 +275,11 @@ def _is_computation(answer: str) -> bool:
     r"""Whether the answer (its right-hand side after any `=`) is arithmetic on numbers left to do: `36 - 5`,
     `7 \times 8`, `2^{10}`. Against a number, such an answer restates the question rather than answering it, as in
     PRM800K's grader, where an integer reference answer takes only an integer; a number written in scientific
-    notation (`1.5 \times 10^{3}`) and a signed fraction (`\frac{-1}{2}`) are numbers, not computations."""
+    notation (`1.5 \times 10^{3}`), a signed fraction (`\frac{-1}{2}`) and a plain number (`1/3`, `x = 1/3`) are
+    numbers, not computations."""
     answer = answer.rsplit("=", 1)[-1].strip().strip("$")
+    if _number(answer) is not None:
+        return False
     answer = _ARITHMETIC_COMMAND.sub(lambda command: _OPERATOR_OF.get(command[0], " "), answer).strip()
     if not answer or _SCIENTIFIC.fullmatch(answer) or not _ARITHMETIC.fullmatch(answer):
         return False

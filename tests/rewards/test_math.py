@@ -86,6 +86,7 @@ CASES = [
     ("36 - 5 = 31", "31", 1.0),  # worked, then answered
     (r"\boxed{1.5 \times 10^{3}}", "1500", 1.0),  # scientific notation is a number
     (r"\boxed{\frac{-1}{2}}", "-0.5", 1.0),  # a sign, not a subtraction
+    (r"\boxed{x = 1/3}", "1/3", 1.0),  # a fraction is a number, not a division left to do
     (r"\boxed{\left(-19\right)}", "-19", 1.0),
     (r"\boxed{\sqrt{4}}", "2", 1.0),  # not arithmetic on numbers alone: math-verify decides
     (r"\boxed{2+3}", "2+3", 1.0),  # the reference answer is itself an expression

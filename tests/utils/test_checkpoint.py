@@ -1,4 +1,4 @@
-from logra_rl.utils.checkpoint import Checkpoints, read_controller_state
+from logra_rl.utils.checkpoint import Checkpoints, read_controller_state, resume_conflicts
 
 
 def test_atomic_commit_latest_pointer_and_pruning(tmp_path):
@@ -76,7 +76,6 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumed(tmp_path):
 def test_a_baseline_resumes_after_its_preset_retunes_logra_step_control():
     """Dense and LoRA never read LoGRA's step controller: a shared preset may retune its budget under a baseline's
     run; the KL rows every rule measures on, and the rule itself, may not change."""
-    from logra_rl.utils.checkpoint import resume_conflicts
 
     def run(rule: str, budget: float, guard_responses: int = 16) -> dict:
         kl = {"budget": budget, "final_budget": budget / 4, "guard_responses": guard_responses}
