@@ -192,7 +192,9 @@ def test_the_arithmetic_preset_is_smollm2_on_unseen_questions():
         smollm2.algorithm,
         smollm2.eval,
     )
-    kl = dataclasses.replace(smollm2.logra.kl, budget=1e-2, final_budget=2.5e-3, schedule_steps=60)  # its own sweep
+    kl = dataclasses.replace(  # its own sweep; the bf16 engine's mismatch is a large share of this smaller budget
+        smollm2.logra.kl, budget=1e-2, final_budget=2.5e-3, schedule_steps=60, mismatch_subtraction=False
+    )
     assert config.logra == dataclasses.replace(smollm2.logra, kl=kl)
 
 
