@@ -148,16 +148,19 @@ def run_measured(command: list[str], log: Path) -> Measured:
         while not done.wait(TREE_INTERVAL_S):
             peak[0] = max(peak[0], used_bytes())
             now = time.time() - start
-            for process in [root, *root.children(recursive=True)]:
+            try:  # a process that exits while the tree is listed ends this sample, not the sampler
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for process in tree:
                 try:
                     value = status_bytes(process.pid, "RssAnon")
-                    label = process_label(process)
+                    label = process_label(process) or process.name()
                 except (psutil.Error, OSError):
                     continue
                 # Ray retitles a worker as it becomes an actor (setup_worker.py, ray::IDLE, ray::TrainWorker.setup)
-                if label and (label.startswith("ray::") or process.pid not in measured.labels):
+                if label.startswith("ray::") or process.pid not in measured.labels:
                     measured.labels[process.pid] = label
-                measured.labels.setdefault(process.pid, process.name())
                 measured.peaks[process.pid] = max(measured.peaks.get(process.pid, 0), value)
                 measured.samples.setdefault(process.pid, []).append((round(now, 1), value))
 
