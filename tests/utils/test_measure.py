@@ -3,6 +3,7 @@ sees an allocation made after it, a command's process tree is sampled with each 
 returns the call's result and its seconds."""
 
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -10,10 +11,7 @@ from pathlib import Path
 import torch
 
 from logra_rl.utils.memory import (
-    RssSampler,
     cuda_peak_bytes,
-    peak_rss_since_reset,
-    reset_peak_rss,
     run_measured,
 )
 from logra_rl.utils.timing import timed
@@ -26,24 +24,30 @@ def test_timed_returns_the_result_and_the_seconds():
     assert result == 7 and 0.05 <= seconds < 1.0
 
 
+MEASURE_A_BLOCK = """
+import time, torch
+from logra_rl.utils.memory import RssSampler, peak_rss_since_reset, reset_peak_rss
+MIB = 2**20
+sampler = RssSampler(interval_s=0.001)
+sampler.start()
+while not sampler.samples:
+    time.sleep(0.001)
+baseline = reset_peak_rss()
+block = torch.ones(256 * MIB // 4)  # 256 MiB, touched
+time.sleep(0.02)
+rise = peak_rss_since_reset() - baseline
+sampler.stop()
+print(rise, max(sampler.samples) - min(sampler.samples))
+"""
+
+
 def test_a_peak_since_a_reset_sees_a_later_allocation_and_the_sampler_its_samples():
-    sampler = RssSampler(interval_s=0.001)
-    sampler.start()
-    while not sampler.samples:  # a level from before the allocation (the thread's first sample can come late)
-        time.sleep(0.001)
-    baseline = reset_peak_rss()
-    block = torch.ones(256 * MIB // 4)  # 256 MiB, touched
-    # The kernel may fold its per-CPU RSS counts in late (seen once in CI: no rise at the first read), so wait,
-    # up to 2 s, until the sampler's own reading shows the block before reading the peak.
-    deadline = time.monotonic() + 2.0
-    while max(sampler.samples) - baseline < 240 * MIB and time.monotonic() < deadline:
-        time.sleep(0.01)
-    rise = peak_rss_since_reset() - baseline
-    sampler.stop()
-    del block
-    seen = f"rise {rise / MIB:.0f} MiB, sampler {min(sampler.samples) / MIB:.0f}-{max(sampler.samples) / MIB:.0f} MiB"
-    assert 240 * MIB <= rise <= 400 * MIB, seen
-    assert max(sampler.samples) - min(sampler.samples) >= 240 * MIB, seen
+    # A fresh interpreter: after the suite's earlier tests this process can serve 256 MiB from freed memory it
+    # still holds (seen in a full run: no rise at all), which would measure the allocator, not the functions.
+    done = subprocess.run([sys.executable, "-c", MEASURE_A_BLOCK], capture_output=True, text=True, check=True)
+    rise, sampled = (int(v) for v in done.stdout.split())
+    assert 240 * MIB <= rise <= 400 * MIB, done.stdout
+    assert sampled >= 240 * MIB, done.stdout
 
 
 def test_a_commands_process_tree_is_sampled_per_process(tmp_path):
