@@ -130,10 +130,11 @@ def _discard(run_dir: Path) -> None:
 
 
 def _train(cfg: DictConfig) -> None:
-    from logra_rl.orchestration.controller import started
     from logra_rl.utils.run_dir import write_atomic
 
     config, run_dir, resolved, fresh = _run_setup(cfg, "logra-train", toy_settings_problem)
+    from logra_rl.orchestration.controller import started  # seconds of imports: after the settings are checked
+
     with _run_lock(run_dir, fresh, "logra-train") as lock:
         _check_resume(run_dir, resolved, config.trainer.resume)  # before anything is written
         lock.announce()
@@ -285,10 +286,11 @@ def _exit_with_one_line(error: Exception, program: str = "logra-train") -> None:
 
 def _eval(cfg: DictConfig) -> None:
     """Evaluate model.path (or eval.checkpoint) on the data's eval split with the configured engines."""
-    from logra_rl.orchestration.eval_driver import run_eval
     from logra_rl.utils.run_dir import write_atomic
 
     config, run_dir, _, fresh = _run_setup(cfg, "logra-eval")
+    from logra_rl.orchestration.eval_driver import run_eval  # seconds of imports: after the settings are checked
+
     with _run_lock(run_dir, fresh, "logra-eval") as lock:
         lock.announce()
         try:
@@ -376,10 +378,11 @@ def help_header(command: str) -> str:
 
 
 def _entry(app, name: str) -> None:
-    import transformers
     from omegaconf import OmegaConf
 
-    transformers.logging.disable_progress_bar()
+    # transformers' and the hub's progress bars off, as transformers.logging.disable_progress_bar() would turn them,
+    # without importing transformers (seconds) in a command that a bad setting stops
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     OmegaConf.register_new_resolver("logra_help", help_header, replace=True)
     sys.argv[1:], notes = migrate_arguments(sys.argv[1:])
     for note in notes:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from logra_rl.data.config import DataConfig
 from logra_rl.data.task import Example, load_task
+
+if TYPE_CHECKING:  # transformers takes seconds to import: a command that stops on a bad setting never needs it
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Workload:
 
 def load_workload(config: DataConfig, model_path: str) -> Workload:
     """Load the task and tokenise its prompts; train prompts longer than `max_prompt_length` are dropped."""
+    from transformers import AutoTokenizer
+
     task = load_task(config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train = encode_prompts(tokenizer, task.train, config.max_prompt_length, "train")

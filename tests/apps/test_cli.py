@@ -315,6 +315,32 @@ def test_a_disk_that_fills_while_writing_the_base_model_or_a_checkpoint_keeps_no
     assert f"{run}/checkpoints/step_2/controller.json" in files["64m"]
 
 
+STOPPED_EARLY = """
+import sys
+from logra_rl.apps.cli import {main}
+sys.argv = ["{program}", *sys.argv[1:]]
+try:
+    {main}()
+except SystemExit as stop:
+    print(stop, file=sys.stderr)
+print(sorted(name for name in ("transformers", "ray", "vllm") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(("program", "main"), [("logra-train", "main"), ("logra-eval", "eval_main")])
+def test_a_bad_setting_stops_the_command_before_transformers_or_ray_is_imported(tmp_path, program, main):
+    """The settings are checked before the seconds of imports a run needs: a typo costs the time to import torch."""
+    import sys
+
+    code = STOPPED_EARLY.format(main=main, program=program)
+    result = subprocess.run(
+        [sys.executable, "-c", code, "trainer.total_steps=-1"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert "trainer.total_steps=-1 is invalid" in result.stderr, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_inputs_stop_in_one_line_before_ray_and_leave_nothing_behind(tmp_path, quickstart_model):
     """Each is found before Ray or a worker starts: one line naming the problem and the fix, no traceback, no run
     directory left behind, in seconds (two at a time: each is a process of its own)."""
