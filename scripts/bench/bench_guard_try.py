@@ -17,7 +17,8 @@ variant's forward, without gradients, fp32, median of --repeats:
 - prompt once: the forward of one prompt, the part of each row that 4 responses to a prompt share; in trial, what
   is left is the merge and restore of the step that `trial` does around every forward.
 
-Every variant's hidden states at the rows' own positions must equal the padded forward's (checked, fp32).
+The packed forward's hidden states at the rows' own positions must equal the padded forward's (checked, fp32): a
+packing that transformers did not mask apart would time the wrong computation.
 
 The update is a real LoGRA step (rank 64, from a backward over two rows). Prints a table and writes JSON.
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
 from logra_rl.models.smollm2 import fetch_smollm2
+from logra_rl.utils.timing import timed
 
 
 def lengths_of(spec: str) -> list[int]:
@@ -51,12 +52,7 @@ def lengths_of(spec: str) -> list[int]:
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
     run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(run)[1] for _ in range(repeats))
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -330,8 +331,6 @@ print(sorted(name for name in ("transformers", "ray", "vllm") if name in sys.mod
 @pytest.mark.parametrize(("program", "main"), [("logra-train", "main"), ("logra-eval", "eval_main")])
 def test_a_bad_setting_stops_the_command_before_transformers_or_ray_is_imported(tmp_path, program, main):
     """The settings are checked before the seconds of imports a run needs: a typo costs the time to import torch."""
-    import sys
-
     code = STOPPED_EARLY.format(main=main, program=program)
     result = subprocess.run(
         [sys.executable, "-c", code, "trainer.total_steps=-1"], cwd=tmp_path, capture_output=True, text=True
