@@ -28,6 +28,7 @@ DISTRIBUTIONS = ("rademacher", "gaussian")
 WIRE_DTYPES = ("bfloat16", "float32")
 KL_SCHEDULES = ("cosine", "constant")
 KL_ESTIMATORS = ("previous", "jvp", "finite_difference")
+TRIAL_MERGES = ("auto", "per_try", "per_unit")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class KLConfig:
     guard_confidence: float = 0.9
     probe_max_tokens: int = 4096  # every measured row is cut to this many tokens
     forward_tokens: int = 32768  # tokens per no-grad forward of the probe and guard: more rows run in chunks
+    # How a try computes with the stepped weights: per_try merges the step into every target once and runs the rows
+    # under it in forwards of similar length (holds a copy of the rank's target rows); per_unit merges it into one
+    # FSDP2 unit at a time around each forward (one unit's rows held twice; the rows in as few forwards as fit);
+    # auto: per_try on CPU, where a merge costs as much as a forward of a few rows, per_unit on GPUs.
+    trial_merge: str = "auto"
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
@@ -86,9 +92,14 @@ class KLConfig:
         )
         check_positive_int("logra.kl.probe_max_tokens", self.probe_max_tokens)
         check_positive_int("logra.kl.forward_tokens", self.forward_tokens)
+        check_choice("logra.kl.trial_merge", self.trial_merge, TRIAL_MERGES)
         check_bool("logra.kl.mismatch_subtraction", self.mismatch_subtraction)
         check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)
         check_fraction("logra.kl.mismatch_budget_floor", self.mismatch_budget_floor)
+
+    def merges_per_try(self, cuda: bool) -> bool:
+        """`trial_merge` for targets on a GPU (`cuda`) or not: auto is per_try off GPUs."""
+        return self.trial_merge == "per_try" or (self.trial_merge == "auto" and not cuda)
 
 
 @dataclass(frozen=True)

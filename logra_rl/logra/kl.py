@@ -146,20 +146,65 @@ class KLRows:
         return replace(self, input_ids=ids, loss_mask=mask, weights=weights, features=features)
 
 
-def features(rows: KLRows) -> torch.Tensor:
-    """`rows.forward` over the rows without gradients, in chunks of at most `rows.forward_tokens` tokens, as many on
-    every rank (each forward of an FSDP2 model is a collective: a rank with fewer chunks runs a spare one). Use
-    `rows.features` instead where the caller has it for the unstepped policy."""
-    per_chunk = max(1, rows.forward_tokens // rows.input_ids.shape[1]) if rows.forward_tokens else len(rows)
-    chunks = rows.input_ids.split(per_chunk)
-    count = torch.tensor(len(chunks), device=rows.input_ids.device)
+def length_chunks(lengths: Sequence[int], forward_tokens: int = 0, overhead: int | None = None) -> list[list[int]]:
+    """The rows (indices into `lengths`) of each forward: rows of similar length together, each forward cut to its
+    longest row and holding at most `forward_tokens` tokens (0: no cap; a longer row runs alone), chosen to run the
+    fewest tokens when every forward costs `overhead` tokens more (None: the fewest forwards, then the fewest
+    tokens). Rows of length 0 run in none. Exact (dynamic programming over the rows sorted by length)."""
+    order = sorted((index for index, length in enumerate(lengths) if length > 0), key=lambda index: lengths[index])
+    sorted_lengths = [lengths[index] for index in order]
+    count = len(order)
+    if overhead is None:  # a forward costs more than all the padding it could save
+        overhead = count * (sorted_lengths[-1] if count else 0) + 1
+    best, start = [0] + [math.inf] * count, [0] * (count + 1)
+    for end in range(1, count + 1):
+        width = sorted_lengths[end - 1]
+        for first in range(end - 1, -1, -1):
+            if forward_tokens and first < end - 1 and (end - first) * width > forward_tokens:
+                break
+            cost = best[first] + (end - first) * width + overhead
+            if cost < best[end]:
+                best[end], start[end] = cost, first
+    chunks, end = [], count
+    while end:
+        chunks.append(order[start[end] : end])
+        end = start[end]
+    return chunks[::-1]
+
+
+def row_lengths(loss_mask: torch.Tensor) -> list[int]:
+    """Tokens each row needs run for the predictions of its generated tokens: through its last one (0: none)."""
+    positions = torch.arange(1, loss_mask.shape[1] + 1, device=loss_mask.device)
+    return (loss_mask.bool() * positions).amax(dim=1).tolist()
+
+
+def features(rows: KLRows, overhead: int | None = None) -> torch.Tensor:
+    """`rows.forward` over the rows without gradients, padded to the rows' width: rows of similar length run
+    together, each forward cut to its longest row (`length_chunks`: at most `rows.forward_tokens` tokens a forward,
+    `overhead` the cost of one more forward, in tokens; None: as few forwards as the cap allows), as many forwards on
+    every rank (each forward of an FSDP2 model is a collective: a rank with fewer runs spare ones). Positions past a
+    row's last generated token are zeros. Use `rows.features` instead where the caller has it for the unstepped
+    policy."""
+    lengths = row_lengths(rows.loss_mask)
+    chunks = length_chunks(lengths, rows.forward_tokens, overhead)
+    count = torch.tensor(max(len(chunks), 1), device=rows.input_ids.device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    out = None
     with torch.no_grad():
-        outputs = [rows.forward(chunk) for chunk in chunks]
-        for _ in range(int(count) - len(chunks)):
-            rows.forward(chunks[-1][:1])
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        for number in range(int(count)):
+            if number >= len(chunks):  # a spare forward: it shapes `out` where no row has a generated token
+                output = rows.forward(rows.input_ids[:1, :1])
+                index, width = None, 0
+            else:
+                index = torch.tensor(chunks[number], device=rows.input_ids.device)
+                width = max(lengths[row] for row in chunks[number])
+                output = rows.forward(rows.input_ids[index, :width])
+            if out is None:
+                out = output.new_zeros((len(rows), rows.input_ids.shape[1], *output.shape[2:]))
+            if index is not None:
+                out[index, :width] = output
+    return out
 
 
 @torch.no_grad()

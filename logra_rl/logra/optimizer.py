@@ -251,28 +251,40 @@ class LoGRAOptimizer:
     # ---- KL ---------------------------------------------------------------------------------
 
     @contextmanager
-    def trial(self, alpha: float) -> Iterator[None]:
+    def trial(self, alpha: float, per_try: bool = False) -> Iterator[None]:
         """Inside, every forward of the model computes with the weights commit(α) would leave, bit for bit (the
-        same factors and merge); outside and afterwards, the weights are exactly as before.
+        same factors and merge); outside and afterwards, the weights are exactly as before. α may be negative (the
+        finite-difference probe).
 
         The step is merged into the fp32 masters of one unit at a time as that unit's forward starts, and the
         saved rows put back when it ends: an FSDP2 unit (a decoder layer), whose bf16 all-gather then carries the
         rounded merge the engines will hold, or the target itself for a model without FSDP2. Only one unit's
-        rows are ever held twice. α may be negative (the finite-difference probe)."""
+        rows are ever held twice. `per_try`: merged into every unit on entry and restored on exit instead, so the
+        forwards inside pay for one merge in all (a copy of the rank's target rows is held meanwhile)."""
         if not self.prepared:
             raise RuntimeError("no update is prepared; call prepare() first")
         factors = dict(zip(map(id, self.targets), self._factors(alpha), strict=True))
+        units = [
+            _MergedUnit(unit, [(target, factors[id(target)]) for target in targets], self._merge)
+            for unit, targets in _units(self.model, self.targets).items()
+        ]
         handles = []
-        for unit, targets in _units(self.model, self.targets).items():
-            merged = _MergedUnit(unit, [(target, factors[id(target)]) for target in targets], self._merge)
-            handles.append(unit.register_forward_pre_hook(merged.enter, prepend=True))  # before FSDP2 gathers
-            handles.append(unit.register_forward_hook(merged.leave, always_call=True))
+        if per_try:
+            for unit in units:
+                unit.merge()
+        else:
+            for unit in units:
+                handles.append(unit.unit.register_forward_pre_hook(unit.enter, prepend=True))  # before FSDP2 gathers
+                handles.append(unit.unit.register_forward_hook(unit.leave, always_call=True))
         try:
             with torch.no_grad():
                 yield
         finally:
             for handle in handles:
                 handle.remove()
+            if per_try:
+                for unit in units:
+                    unit.restore()
 
     def probe_kl(self, rows: KLRows, temperature: float) -> float:
         """q: predicted KL per generated token of the prepared update at α = 1 (KL(α) ≈ q·α²).
@@ -320,8 +332,10 @@ class LoGRAOptimizer:
     def _measure(
         self, rows: KLRows, base: torch.Tensor, alpha: float, temperature: float, confidence: float
     ) -> KLEstimate:
-        with self.trial(alpha):
-            stepped = features(rows)
+        # per try, forwards of similar length cost one merge in all: worth their fewer tokens
+        per_try = self.config.kl.merges_per_try(self.targets[0].module.weight.device.type == "cuda")
+        with self.trial(alpha, per_try):
+            stepped = features(rows, overhead=rows.input_ids.shape[1] if per_try else None)
         mask, head = rows.loss_mask, rows.head
         before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
         sums, counts = row_kl(before, after, len(rows), temperature, base.device)
@@ -379,7 +393,8 @@ class LoGRAOptimizer:
 
 
 class _MergedUnit:
-    """One unit's targets with a step merged into their fp32 rows for the length of the unit's forward."""
+    """One unit's targets with a step merged into their fp32 rows: for the length of the unit's forward (`enter`,
+    `leave`: its hooks), or from `merge` to `restore`."""
 
     def __init__(
         self,
@@ -387,16 +402,22 @@ class _MergedUnit:
         steps: list[tuple[LinearSketch, torch.Tensor]],
         merge: Callable[[LinearSketch, torch.Tensor], None],
     ) -> None:
-        self.unit, self.steps, self.merge = unit, steps, merge
+        self.unit, self.steps, self._merge = unit, steps, merge
         self.saved: list[torch.Tensor] = []
 
     def enter(self, module: nn.Module, args: tuple) -> None:
+        self.merge()
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.restore()
+
+    def merge(self) -> None:
         self._reshard()  # a unit left gathered (FSDP2's root) would not gather the merged rows
         for target, factor in self.steps:
             self.saved.append(local_rows(target.module.weight)[0].clone())
-            self.merge(target, factor)
+            self._merge(target, factor)
 
-    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+    def restore(self) -> None:
         for (target, _), rows in zip(self.steps, self.saved, strict=False):
             local_rows(target.module.weight)[0].copy_(rows)
         self.saved.clear()

@@ -388,14 +388,15 @@ class LoGRAUpdate:
         next: the JVP runs one probe row at a time with a tangent for every intermediate and attention in blocks of
         ATTENTION_BLOCK scores (fp32, with their tangents; keys and values in fp32 repeated to every query head); the
         guard keeps the unstepped and the stepped final hidden states of its rows, runs no-grad forwards over them
-        (fused attention: one layer's intermediates at a time) and holds one unit's target rows twice (the trial)."""
+        (fused attention: one layer's intermediates at a time) and holds one unit's target rows twice (the trial; with
+        `kl.trial_merge` per_try, every target's: the rank's share of them)."""
         rank, c, ranks = config.logra.rank, model.compute_bytes, config.cluster.train_workers
         state = 4 * rank * (model.target_rows + model.target_cols) + 4 * model.target_rows
         saved = model.saved_frozen + c * (len(model.targets) / model.layers) * rank
         kl = config.logra.kl
         length = min(sequence, kl.probe_max_tokens)
         rows = measured_rows(config, kl.guard_responses)
-        trial = 4 * model.target_params / model.layers / ranks
+        trial = 4 * model.target_params / (1 if kl.merges_per_try(cuda) else model.layers) / ranks
         guard = forward_memory(model, rows, length, kl.forward_tokens) + rows * length * model.hidden * c
         guard += trial + kl_chunk_memory(model)
         proposal = 0.0

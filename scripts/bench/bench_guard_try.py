@@ -1,33 +1,33 @@
 #!/usr/bin/env python
-"""What one try of the KL guard costs on SmolLM2-135M-Instruct, and what would make it cheaper.
+"""What one try of the KL guard costs on SmolLM2-135M-Instruct, per part, under each `logra.kl.trial_merge`.
 
     .venv/bin/python scripts/bench/bench_guard_try.py [--prompt 55] [--lengths 12x6,14x4,20x3,30,40,64] [--out FILE]
 
-One try (`LoGRAOptimizer._measure`) is a forward of the guard's rows with the step merged (`trial`); on the
-`smollm2` presets that is 16 rows, right-padded to the longest. The rows here are a prompt of --prompt tokens (the
-presets' chat prompts are ~50-60) and responses of --lengths tokens (`12x6`: six of 12; the default is what
-`smollm2_arithmetic` generates from step 20 on: mostly 11-20 tokens, one cut at the 64-token limit). Each
-variant's forward, without gradients, fp32, median of --repeats:
+One try (`LoGRAOptimizer._measure`) runs the guard's rows with the step merged (`trial`), then the LM head and the
+exact KL at their generated positions; on the `smollm2` presets that is 16 rows, right-padded to the longest. The
+rows here are a prompt of --prompt tokens (the presets' chat prompts are ~50-60) and responses of --lengths tokens
+(`12x6`: six of 12; the default is what `smollm2_arithmetic` generates from step 20 on: mostly 11-20 tokens, one cut
+at the 64-token limit). fp32, the fastest of --repeats (this machine's noise is one-sided: other work only slows a
+run down):
 
-- padded: the rows as the guard runs them, one forward;
-- padded, in trial: the same inside `trial` (each FSDP2 unit's targets merged on entry and restored on exit);
-- length chunks / in trial: the rows sorted by length, one forward per chunk of similar length (less padding);
-- packed: the rows without their padding, end to end in one sequence whose position ids restart at each row
-  (transformers then masks attention within each row): no padding, but a dense attention mask over all tokens;
-- prompt once: the forward of one prompt, the part of each row that 4 responses to a prompt share; in trial, what
-  is left is the merge and restore of the step that `trial` does around every forward.
+- a try, per_unit: the step merged into each target around every forward, the rows in as few forwards as fit
+  (`logra.kl.forward_tokens`: one, padded to the longest row);
+- a try, per_try: the step merged into every target once, the rows in forwards of similar length under it
+  (`kl.length_chunks`, one forward costing the longest row's tokens); what `auto` picks on a CPU;
+- its parts: the padded forward, the forwards of similar length, the merge and restore of the step alone, and the LM
+  head with the exact KL; beside them the rows packed end to end in one sequence whose position ids restart at each
+  row (transformers then masks attention within each row): no padding, but a dense attention mask over all tokens.
 
-The packed forward's hidden states at the rows' own positions must equal the padded forward's (checked, fp32): a
-packing that transformers did not mask apart would time the wrong computation.
-
-The update is a real LoGRA step (rank 64, from a backward over two rows). Prints a table and writes JSON.
+Both tries must measure the same KL, and the packed forward's hidden states at the rows' own positions must equal
+the padded forward's (checked, fp32). The update is a real LoGRA step (rank 64, from a backward over two rows).
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,9 +36,12 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-from logra_rl.logra import LoGRAConfig, LoGRAOptimizer
+from logra_rl.logra import KLRows, LoGRAConfig, LoGRAOptimizer
+from logra_rl.logra.kl import features, kl_estimate, length_chunks, masked_logits, row_kl, row_lengths
 from logra_rl.models.smollm2 import fetch_smollm2
 from logra_rl.utils.timing import timed
+
+TEMPERATURE = 1.0
 
 
 def lengths_of(spec: str) -> list[int]:
@@ -50,17 +53,16 @@ def lengths_of(spec: str) -> list[int]:
     return out
 
 
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
+def fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     run()  # warm-up
-    return statistics.median(timed(run)[1] for _ in range(repeats))
+    return min(timed(run)[1] for _ in range(repeats))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=55)
     parser.add_argument("--lengths", default="12x6,14x4,20x3,30,40,64")
-    parser.add_argument("--chunks", type=int, default=3, help="length chunks for the chunked variants")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench_results/guard_try.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -68,8 +70,10 @@ def main() -> None:
     lengths, prompt = sorted(lengths_of(args.lengths)), args.prompt
     width = prompt + max(lengths)
     ids = torch.randint(100, 40_000, (len(lengths), width))
+    mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
         ids[row, prompt + length :] = 0
+        mask[row, prompt : prompt + length] = 1
 
     opt = LoGRAOptimizer(model, LoGRAConfig(rank=64, update_ratio=3e-4))
     model.train()
@@ -81,53 +85,65 @@ def main() -> None:
     def forward(rows: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return model.model(input_ids=rows, position_ids=positions, use_cache=False).last_hidden_state
 
-    real = [prompt + length for length in lengths]
+    rows = KLRows(forward=forward, input_ids=ids, loss_mask=mask, head=model.lm_head)
+    real = row_lengths(mask)
     packed_ids = torch.cat([ids[row, :length] for row, length in enumerate(real)])[None]
     packed_positions = torch.cat([torch.arange(length) for length in real])[None]
+    chunks = length_chunks(real, overhead=width)
 
-    per_chunk = -(-len(lengths) // args.chunks)
-    chunks = [range(start, min(start + per_chunk, len(lengths))) for start in range(0, len(lengths), per_chunk)]
+    def a_try(mode: str) -> Callable[[], float]:
+        config = dataclasses.replace(opt.config, kl=dataclasses.replace(opt.config.kl, trial_merge=mode))
 
-    def chunked() -> None:
-        for chunk in chunks:
-            forward(ids[list(chunk), : prompt + lengths[chunk[-1]]])
+        def run() -> float:
+            opt.config = config
+            return opt._measure(rows, base, 1.0, TEMPERATURE, 0.9).mean
 
-    def in_trial(run: Callable[[], object]) -> Callable[[], None]:
-        def tried() -> None:
-            with opt.trial(1.0):
-                run()
+        return run
 
-        return tried
+    def merge_alone() -> None:
+        with opt.trial(1.0, per_try=True):
+            pass
 
-    chunked_tokens = sum(len(chunk) * (prompt + lengths[chunk[-1]]) for chunk in chunks)
+    def head_and_kl() -> None:
+        before, after = masked_logits(base, mask, model.lm_head), masked_logits(stepped, mask, model.lm_head)
+        kl_estimate(*row_kl(before, after, len(rows), TEMPERATURE, base.device), 0.9, None)
+
+    tokens_chunked = sum(len(chunk) * max(real[row] for row in chunk) for chunk in chunks)
     variants = {
-        "padded": (lambda: forward(ids), len(lengths) * width),
-        "padded, in trial": (in_trial(lambda: forward(ids)), len(lengths) * width),
-        f"{len(chunks)} length chunks": (chunked, chunked_tokens),
-        f"{len(chunks)} length chunks, in trial": (in_trial(chunked), chunked_tokens),
-        "packed": (lambda: forward(packed_ids, packed_positions), sum(real)),
-        "prompt once": (lambda: forward(ids[:1, :prompt]), prompt),
-        "prompt once, in trial": (in_trial(lambda: forward(ids[:1, :prompt])), prompt),
+        "a try, per_unit": (a_try("per_unit"), len(lengths) * width),
+        "a try, per_try": (a_try("per_try"), tokens_chunked),
+        "  padded forward": (lambda: forward(ids), len(lengths) * width),
+        f"  {len(chunks)} forwards of similar length": (lambda: features(rows, overhead=width), tokens_chunked),
+        "  merge and restore of the step": (merge_alone, 0),
+        "  LM head and exact KL": (head_and_kl, sum(real)),
+        "packed (one sequence, masked apart)": (lambda: forward(packed_ids, packed_positions), sum(real)),
     }
     results = {}
     with torch.no_grad():
+        base = features(rows)
+        with opt.trial(1.0, per_try=True):
+            stepped = features(rows, overhead=width)
         padded, packed = forward(ids), forward(packed_ids, packed_positions)[0].split(real)
         worst = max((padded[row, :length] - packed[row]).abs().max().item() for row, length in enumerate(real))
         if worst > 1e-3:
             raise SystemExit(f"the packed forward is {worst} off the padded one: the rows were not masked apart")
+        per_unit, per_try = a_try("per_unit")(), a_try("per_try")()
+        if abs(per_unit - per_try) > 1e-4 * per_unit:
+            raise SystemExit(f"the tries disagree: per_unit KL {per_unit}, per_try {per_try}")
         for name, (run, tokens) in variants.items():
-            results[name] = {"seconds": median_seconds(run, args.repeats), "tokens": tokens}
+            results[name.strip()] = {"seconds": fastest_seconds(run, args.repeats), "tokens": tokens}
     title = f"One guard try: {len(lengths)} rows, prompt {prompt}, responses {lengths} ({sum(real)} tokens)"
     table = Table(title=title)
-    for column in ("variant", "tokens run", "seconds", "vs padded"):
+    for column in ("variant", "tokens run", "seconds", "vs a try per_unit"):
         table.add_column(column, justify="left" if column == "variant" else "right")
-    base = results["padded"]["seconds"]
-    for name, result in results.items():
-        table.add_row(name, str(result["tokens"]), f"{result['seconds']:.3f}", f"{result['seconds'] / base:.2f}")
+    first = results["a try, per_unit"]["seconds"]
+    for name, (_, tokens) in variants.items():
+        seconds = results[name.strip()]["seconds"]
+        table.add_row(name, str(tokens), f"{seconds:.3f}", f"{seconds / first:.2f}")
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"prompt": prompt, "lengths": lengths, "real_tokens": sum(real), "packed_max_abs_difference": worst}
-    record["threads"] = torch.get_num_threads()
+    record |= {"kl_per_unit": per_unit, "kl_per_try": per_try, "chunks": chunks, "threads": torch.get_num_threads()}
     args.out.write_text(json.dumps({**record, "results": results}, indent=2))
     print(f"wrote {args.out}")
 

@@ -72,7 +72,12 @@ def main(out_path: str) -> None:
         unstepped = bf16_model(input_ids=rows).logits
         with bf16_opt.trial(ALPHA):
             trial = bf16_model(input_ids=rows).logits
-    restored = all(
+        restored = all(
+            torch.equal(local_rows(t.module.weight)[0], m) for t, m in zip(bf16_opt.targets, masters, strict=True)
+        )
+        with bf16_opt.trial(ALPHA, per_try=True):  # merged once, for two forwards
+            per_try = [bf16_model(input_ids=rows).logits for _ in range(2)]
+    restored = restored and all(
         torch.equal(local_rows(t.module.weight)[0], m) for t, m in zip(bf16_opt.targets, masters, strict=True)
     )
     bf16_opt.commit(ALPHA)
@@ -94,6 +99,7 @@ def main(out_path: str) -> None:
                 "bf16_weights": bf16_full,
                 "trial_restored": restored,
                 "trial_equals_commit": torch.equal(trial, committed),
+                "per_try_equals_commit": all(torch.equal(logits, committed) for logits in per_try),
                 "trial_moved": not torch.equal(trial, unstepped),
             },
             out_path,

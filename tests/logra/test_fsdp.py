@@ -93,3 +93,4 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     assert not torch.equal(moved, tiny_qwen3(seed=MODEL_SEED).state_dict()["model.layers.0.self_attn.q_proj.weight"])
     # the trial: each decoder layer's bf16 all-gather carried the merged rows, then every row came back
     assert sharded["trial_restored"] and sharded["trial_equals_commit"] and sharded["trial_moved"]
+    assert sharded["per_try_equals_commit"]  # merged once into every unit: the same bits, for every forward

@@ -114,6 +114,87 @@ def test_a_forward_inside_the_trial_is_the_forward_after_the_commit_bit_for_bit(
     assert measured.mean == pytest.approx(expected, rel=1e-9)  # the rounded merge's KL, not an extrapolation
 
 
+@pytest.mark.parametrize("per_try", [False, True])
+def test_a_trial_merged_once_serves_every_forward_inside_it_and_restores_the_weights(per_try):
+    """`trial(α, per_try=True)` merges the step into every target on entry (one merge for all the forwards of a
+    try) and restores them on exit; per unit, each forward merges and restores around itself. Every forward inside
+    either is the committed model's, bit for bit."""
+    model, opt, rows = prepared_optimizer(LoGRAConfig(rank=8, seed=1, update_ratio=1e-3))
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    with torch.no_grad(), opt.trial(1.5, per_try):
+        stepped = [model(input_ids=rows.input_ids[part]).logits for part in (slice(0, 1), slice(1, 4))]
+        merged_inside = not torch.equal(
+            weights["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight
+        )
+    assert merged_inside == per_try  # per unit, nothing stays merged between forwards
+    assert all(torch.equal(weights[name], p) for name, p in model.named_parameters())
+    opt.commit(1.5)
+    with torch.no_grad():
+        committed = [model(input_ids=rows.input_ids[part]).logits for part in (slice(0, 1), slice(1, 4))]
+    assert all(torch.equal(a, b) for a, b in zip(stepped, committed, strict=True))
+
+
+def test_length_chunks_are_the_cheapest_partition_of_rows_sorted_by_length():
+    """Each forward runs its rows cut to its longest: the chunks (rows of similar length together) minimise the
+    tokens run plus `overhead` per forward, never pass `forward_tokens` (a row longer than it runs alone), and skip
+    rows with nothing to measure; without an overhead, as few forwards as the cap allows."""
+    import itertools
+
+    def cost(chunks, lengths, overhead):
+        return sum(len(chunk) * max(lengths[row] for row in chunk) + overhead for chunk in chunks)
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(30):
+        lengths = torch.randint(0, 40, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator)
+        lengths, cap, overhead = lengths.tolist(), [0, 60][case % 2], [5, 30][case // 2 % 2]
+        chunks = kl.length_chunks(lengths, cap, overhead)
+        assert sorted(row for chunk in chunks for row in chunk) == [row for row, n in enumerate(lengths) if n]
+        assert all(
+            len(chunk) == 1 or len(chunk) * max(lengths[row] for row in chunk) <= cap or not cap for chunk in chunks
+        )
+        ranked = sorted((row for row, n in enumerate(lengths) if n), key=lambda row: lengths[row])
+        best = math.inf
+        for cuts in itertools.product([False, True], repeat=max(len(ranked) - 1, 0)):  # every contiguous partition
+            parts, start = [], 0
+            for end, cut in enumerate([*cuts, True], start=1):
+                if cut:
+                    parts.append(ranked[start:end])
+                    start = end
+            if parts and all(len(p) == 1 or not cap or len(p) * max(lengths[r] for r in p) <= cap for p in parts):
+                best = min(best, cost(parts, lengths, overhead))
+        assert cost(chunks, lengths, overhead) == (best if ranked else 0)
+    assert kl.length_chunks([5, 90, 6, 7], forward_tokens=0) == [[0, 2, 3, 1]]  # one forward, padded to 90
+    assert kl.length_chunks([5, 90, 6, 7], forward_tokens=0, overhead=10) == [[0, 2, 3], [1]]
+    assert kl.length_chunks([5, 90, 6, 7, 0], forward_tokens=100) == [[0, 2, 3], [1]]  # 4 × 90 passes the cap
+
+
+def test_features_run_rows_of_similar_length_together_and_equal_one_padded_forward():
+    """The guard's rows are right-padded to the longest; `features` runs them in forwards of similar length cut to
+    each forward's longest row, and returns what one padded forward gives at every position a KL reads."""
+    model = tiny_qwen3(seed=3)
+    ids = random_batch(6, 40, seed=3)
+    mask = torch.zeros_like(ids)
+    for row, (start, end) in enumerate([(4, 8), (4, 40), (6, 9), (5, 10), (4, 36), (4, 4)]):
+        mask[row, start:end] = 1  # the last row generated nothing
+    shapes = []
+
+    def forward(input_ids):
+        shapes.append(tuple(input_ids.shape))
+        return model(input_ids=input_ids).logits
+
+    rows = KLRows(forward, ids, mask)
+    chunked = kl.features(rows, overhead=8)
+    assert sorted(shapes) == [(2, 40), (3, 10)] and sum(r * n for r, n in shapes) < 6 * 40
+    with torch.no_grad():
+        padded = model(input_ids=ids).logits
+    where = mask.bool()
+    torch.testing.assert_close(chunked[where], padded[where], rtol=1e-5, atol=1e-5)
+    assert chunked.shape == padded.shape and not chunked[3, 10:].any()
+    shapes.clear()
+    kl.features(rows)  # no overhead given: as few forwards as `forward_tokens` allows (none set: one)
+    assert shapes == [(5, 40)]
+
+
 def test_finite_difference_estimate_agrees_with_jvp():
     config = LoGRAConfig(rank=8, seed=1)
     model, opt, rows = prepared_optimizer(config)
