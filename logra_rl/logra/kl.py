@@ -42,6 +42,12 @@ from logra_rl.logra.config import KLConfig
 # (linear module, projection A (rank × k_in), factor U (d_out × rank)): the step W ← W − U·A.
 LowRankStep = Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]]
 ForwardFn = Callable[[torch.Tensor], torch.Tensor]  # input ids (rows × tokens) -> logits or final hidden states
+# After prompts: (the prompt each row continues, its tokens (rows × tokens), the attention mask over the prompt's
+# padded tokens and these, their position ids) -> what ForwardFn returns for these tokens
+ContinueFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Prompts (prompts × tokens, right-padded) and their attention mask -> (what ForwardFn returns for them, a
+# ContinueFn that runs rows after them from their cached keys and values)
+PrefillFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ContinueFn]]
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # hidden states (..., H) -> logits (..., V)
 POSITION_CHUNK = 64  # generated positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
 # Elements of one block of attention scores in the JVP's attention (fp32): 64 MiB, whatever the row length
@@ -107,6 +113,9 @@ class KLRows:
     # `forward` on these rows as the policy is now, when the caller already has it (the train step's own forward,
     # where its numbers are the measurement's: fp32 compute): the guard then skips its unstepped forward
     features: torch.Tensor | None = None
+    # Runs each distinct prompt once and the rows after it from its keys and values (`features`), where the model
+    # can: the rows of a group share their prompt, which on short answers is most of each row
+    prefill: PrefillFn | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.loss_mask.shape or self.input_ids.dim() != 2:
@@ -182,29 +191,93 @@ def features(rows: KLRows, overhead: int | None = None) -> torch.Tensor:
     """`rows.forward` over the rows without gradients, padded to the rows' width: rows of similar length run
     together, each forward cut to its longest row (`length_chunks`: at most `rows.forward_tokens` tokens a forward,
     `overhead` the cost of one more forward, in tokens; None: as few forwards as the cap allows), as many forwards on
-    every rank (each forward of an FSDP2 model is a collective: a rank with fewer runs spare ones). Positions past a
-    row's last generated token are zeros. Use `rows.features` instead where the caller has it for the unstepped
-    policy."""
-    lengths = row_lengths(rows.loss_mask)
-    chunks = length_chunks(lengths, rows.forward_tokens, overhead)
-    count = torch.tensor(max(len(chunks), 1), device=rows.input_ids.device)
+    every rank (each forward of an FSDP2 model is a collective: a rank with fewer runs spare ones). With
+    `rows.prefill`, each distinct prompt (the tokens before a row's first generated one) runs once and only the
+    rows' own tokens after it. Positions before a row's last prompt token and past its last generated one are zeros.
+    Use `rows.features` instead where the caller has it for the unstepped policy."""
+    lengths, device = row_lengths(rows.loss_mask), rows.input_ids.device
+    starts = [0] * len(rows)  # where each row's forward begins: its prompt's end with `prefill`
+    if rows.prefill is not None:
+        starts, prompt, prompts, prompt_mask = _prompts(rows, lengths)
+    chunks = length_chunks(
+        [length - start for length, start in zip(lengths, starts, strict=True)], rows.forward_tokens, overhead
+    )
+    count = torch.tensor(max(len(chunks), 1), device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     out = None
     with torch.no_grad():
+        if rows.prefill is not None:  # one forward on every rank, whatever its rows
+            prefilled, after = rows.prefill(prompts, prompt_mask)
+            out = prefilled.new_zeros((len(rows), rows.input_ids.shape[1], *prefilled.shape[2:]))
+            ends = prompt_mask.sum(dim=1) - 1
+            for row, start in enumerate(starts):
+                if lengths[row]:  # the prompt's last position predicts the row's first generated token
+                    out[row, start - 1] = prefilled[prompt[row], ends[prompt[row]]]
         for number in range(int(count)):
             if number >= len(chunks):  # a spare forward: it shapes `out` where no row has a generated token
                 output = rows.forward(rows.input_ids[:1, :1])
                 index, width = None, 0
             else:
-                index = torch.tensor(chunks[number], device=rows.input_ids.device)
-                width = max(lengths[row] for row in chunks[number])
-                output = rows.forward(rows.input_ids[index, :width])
+                index = torch.tensor(chunks[number], device=device)
+                width = max(lengths[row] - starts[row] for row in chunks[number])
+                if rows.prefill is None:
+                    output = rows.forward(rows.input_ids[index, :width])
+                else:
+                    output = _continue(rows, after, chunks[number], starts, width, prompt, prompt_mask)
             if out is None:
                 out = output.new_zeros((len(rows), rows.input_ids.shape[1], *output.shape[2:]))
-            if index is not None:
-                out[index, :width] = output
+            if index is None:
+                continue
+            for position, row in enumerate(chunks[number]):
+                out[row, starts[row] : lengths[row]] = output[position, : lengths[row] - starts[row]]
     return out
+
+
+def _prompts(rows: KLRows, lengths: list[int]) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """Each row's prompt length (its first generated token's position) and prompt (an index into the distinct
+    prompts), and the distinct prompts right-padded with their attention mask. Rows with nothing generated take the
+    first prompt and run in no forward; where no row generated anything, one row's first token is the prompt, so
+    every rank runs its prefill."""
+    generated = rows.loss_mask.bool()
+    starts = [max(int(generated[row].nonzero()[0]), 1) if lengths[row] else 0 for row in range(len(rows))]
+    index: dict[tuple[int, ...], int] = {}
+    prompt = [
+        index.setdefault(tuple(rows.input_ids[row, :start].tolist()), len(index)) if start else 0
+        for row, start in enumerate(starts)
+    ]
+    if not index:
+        index[tuple(rows.input_ids[0, :1].tolist())] = 0
+    width = max(len(tokens) for tokens in index)
+    prompts = rows.input_ids.new_zeros((len(index), width))
+    mask = torch.zeros_like(prompts)
+    for tokens, number in index.items():
+        prompts[number, : len(tokens)] = torch.tensor(tokens, device=prompts.device)
+        mask[number, : len(tokens)] = 1
+    return starts, prompt, prompts, mask
+
+
+def _continue(
+    rows: KLRows,
+    after: ContinueFn,
+    chunk: list[int],
+    starts: list[int],
+    width: int,
+    prompt: list[int],
+    prompt_mask: torch.Tensor,
+) -> torch.Tensor:
+    """One forward of `chunk`'s rows from their prompts' end: their tokens right-padded to `width`, attending to
+    their own prompt's tokens (not its padding) and causally to each other."""
+    ids = rows.input_ids.new_zeros((len(chunk), width))
+    for position, row in enumerate(chunk):
+        own = rows.input_ids[row, starts[row] : starts[row] + width]
+        ids[position, : len(own)] = own
+    which = torch.tensor([prompt[row] for row in chunk], device=ids.device)
+    mask = torch.cat([prompt_mask[which], torch.ones_like(ids)], dim=1)
+    positions = torch.tensor([starts[row] for row in chunk], device=ids.device)[:, None] + torch.arange(
+        width, device=ids.device
+    )
+    return after(which, ids, mask, positions)
 
 
 @torch.no_grad()

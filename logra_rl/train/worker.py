@@ -32,6 +32,7 @@ from logra_rl.config import RunConfig
 from logra_rl.logra import KLRows, LogitChunks, Payload, ProbeError, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import LMHead, fold_head_inputs
+from logra_rl.models.prefill import prompt_prefill
 from logra_rl.rl import head_logprobs, policy_gradient_loss
 from logra_rl.rl.logprobs import logprob_chunk
 from logra_rl.train.api import (
@@ -390,13 +391,16 @@ class TrainWorker:
         bounded = {"async/staleness_bound": bound} if math.isfinite(bound) else {}
         return {"async/staleness": float(staleness), "async/behaviour_kl": behaviour_kl, **bounded}
 
-    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **cached: object
+    ) -> torch.Tensor:
         """The decoder's final hidden states, from the root forward (FSDP2's hooks and collectives run)
-        told to apply the LM head to the last position only: `_sampled_logprobs` applies it in chunks."""
+        told to apply the LM head to the last position only: `_sampled_logprobs` applies it in chunks. `cached`:
+        `past_key_values` (extended in place) and the `position_ids` that follow them."""
         captured = []
         hook = self.decoder.register_forward_hook(lambda module, inputs, output: captured.append(output[0]))
         try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **cached)
         finally:
             hook.remove()
         return captured[0]
@@ -505,6 +509,7 @@ class TrainWorker:
             head=self.head,
             forward_tokens=kl.forward_tokens,
             features=features,  # `first` cuts them to the rows' length
+            prefill=prompt_prefill(self._hidden_states, self.model.config),
         )
         return measured.first(len(rows.input_ids), kl.probe_max_tokens).distinct()  # the length the plan counts
 
