@@ -266,8 +266,8 @@ def _continue(
     prompt: list[int],
     prompt_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """One forward of `chunk`'s rows from their prompts' end: their tokens right-padded to `width`, attending to
-    their own prompt's tokens (not its padding) and causally to each other."""
+    """One forward of `chunk`'s rows from their prompts' end: their tokens right-padded to `width`, at their own
+    positions, each attending to its prompt's tokens (not the prompt batch's padding) and causally to its own."""
     ids = rows.input_ids.new_zeros((len(chunk), width))
     for position, row in enumerate(chunk):
         own = rows.input_ids[row, starts[row] : starts[row] + width]

@@ -509,7 +509,8 @@ class TrainWorker:
             head=self.head,
             forward_tokens=kl.forward_tokens,
             features=features,  # `first` cuts them to the rows' length
-            prefill=prompt_prefill(self._hidden_states, self.model.config),
+            # off GPUs only: the memory plan does not count the prompts' keys and values (and a copy per forward)
+            prefill=None if self.device.type == "cuda" else prompt_prefill(self._hidden_states, self.model.config),
         )
         return measured.first(len(rows.input_ids), kl.probe_max_tokens).distinct()  # the length the plan counts
 
