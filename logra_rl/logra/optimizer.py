@@ -269,14 +269,13 @@ class LoGRAOptimizer:
             for unit, targets in _units(self.model, self.targets).items()
         ]
         handles = []
-        if per_try:
-            for unit in units:
-                unit.merge()
-        else:
-            for unit in units:
-                handles.append(unit.unit.register_forward_pre_hook(unit.enter, prepend=True))  # before FSDP2 gathers
-                handles.append(unit.unit.register_forward_hook(unit.leave, always_call=True))
         try:
+            for unit in units:
+                if per_try:
+                    unit.merge()  # a merge that fails part way is restored below, as far as it got
+                else:  # the pre-hook goes before FSDP2's, which gathers the unit
+                    handles.append(unit.unit.register_forward_pre_hook(unit.enter, prepend=True))
+                    handles.append(unit.unit.register_forward_hook(unit.leave, always_call=True))
             with torch.no_grad():
                 yield
         finally:
