@@ -29,6 +29,9 @@ WIRE_DTYPES = ("bfloat16", "float32")
 KL_SCHEDULES = ("cosine", "constant")
 KL_ESTIMATORS = ("previous", "jvp", "finite_difference")
 TRIAL_MERGES = ("auto", "per_try", "per_unit")
+# `trial_merge=auto` holds a copy of the rank's target rows per try up to this size: SmolLM2-135M's (0.4 GiB); not
+# Qwen2.5-1.5B's (2.4 GiB a rank on two), which would no longer fit a 24 GiB machine beside its engine
+TRIAL_COPY_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class KLConfig:
     # How a try computes with the stepped weights: per_try merges the step into every target once and runs the rows
     # under it in forwards of similar length (holds a copy of the rank's target rows); per_unit merges it into one
     # FSDP2 unit at a time around each forward (one unit's rows held twice; the rows in as few forwards as fit);
-    # auto: per_try on CPU, where a merge costs as much as a forward of a few rows, per_unit on GPUs.
+    # auto: per_try on CPU, where a merge costs as much as a forward of a few rows, while the copy is at most
+    # TRIAL_COPY_BYTES; per_unit on GPUs and past it.
     trial_merge: str = "auto"
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
@@ -97,9 +101,12 @@ class KLConfig:
         check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)
         check_fraction("logra.kl.mismatch_budget_floor", self.mismatch_budget_floor)
 
-    def merges_per_try(self, cuda: bool) -> bool:
-        """`trial_merge` for targets on a GPU (`cuda`) or not: auto is per_try off GPUs."""
-        return self.trial_merge == "per_try" or (self.trial_merge == "auto" and not cuda)
+    def merges_per_try(self, cuda: bool, copy_bytes: float) -> bool:
+        """`trial_merge` for targets on a GPU (`cuda`) or not, whose rows on this rank take `copy_bytes`: auto is
+        per_try off GPUs while that copy is at most TRIAL_COPY_BYTES."""
+        if self.trial_merge == "auto":
+            return not cuda and copy_bytes <= TRIAL_COPY_BYTES
+        return self.trial_merge == "per_try"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ ContinueFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], 
 PrefillFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ContinueFn]]
 HeadFn = Callable[[torch.Tensor], torch.Tensor]  # hidden states (..., H) -> logits (..., V)
 POSITION_CHUNK = 64  # generated positions per float64 KL chunk: bounds the (chunk × vocab) temporaries
+# The unstepped side's log-probs a guarded step keeps for its later tries (`KLReference`) at most: SmolLM2's guard
+# rows whole on short answers (~330 positions of its 49k vocabulary); a few dozen positions of a 150k one
+REFERENCE_BYTES = 2**28
 # Elements of one block of attention scores in the JVP's attention (fp32): 64 MiB, whatever the row length
 ATTENTION_BLOCK = 2**24
 # Each line-search try shrinks α by at least this factor, whatever the measured overshoot says.
@@ -86,15 +89,27 @@ def predicted_kl(logits: torch.Tensor, tangent: torch.Tensor, temperature: float
     return 0.5 * (probs * centered.square()).sum(dim=-1)
 
 
+def log_probs(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, p) (float64) of the tempered softmax of `logits`: the side of KL(p ‖ q) that `KLReference` keeps."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return log_p, log_p.exp()
+
+
+def kl_from_log_probs(log_p: torch.Tensor, p: torch.Tensor, logits_q: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(p ‖ q) per position (float64), p given by `log_probs`, q by its logits."""
+    if log_p.shape != logits_q.shape:
+        raise ValueError(f"log-probs {tuple(log_p.shape)} and logits {tuple(logits_q.shape)} differ in shape")
+    log_q = torch.log_softmax(logits_q.double() / temperature, dim=-1)
+    return torch.linalg.vecdot(p, log_p - log_q)
+
+
 def exact_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float) -> torch.Tensor:
     """KL(p ‖ q) per position (float64) between the two tempered softmax distributions."""
     if logits_p.shape != logits_q.shape:
         raise ValueError(f"logits {tuple(logits_p.shape)} and {tuple(logits_q.shape)} differ in shape")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    log_p = torch.log_softmax(logits_p.double() / temperature, dim=-1)
-    log_q = torch.log_softmax(logits_q.double() / temperature, dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    return kl_from_log_probs(*log_probs(logits_p, temperature), logits_q, temperature)
 
 
 @dataclass(frozen=True)
@@ -280,16 +295,21 @@ def _continue(
     return after(which, ids, mask, positions)
 
 
+def generated_positions(loss_mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(rows, positions) of the predictions of generated tokens, POSITION_CHUNK of them per chunk. Logits at
+    position p predict token p+1: p counts iff token p+1 is generated."""
+    where = loss_mask[:, 1:].bool().nonzero()
+    return [tuple(where[start : start + POSITION_CHUNK].unbind(1)) for start in range(0, len(where), POSITION_CHUNK)]
+
+
 @torch.no_grad()
 def masked_logits(
     features: torch.Tensor, loss_mask: torch.Tensor, head: HeadFn | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(row index, logits) of the predictions of generated tokens, POSITION_CHUNK of them at a time: from logits,
-    or from hidden states through `head`. Logits at position p predict token p+1: p counts iff token p+1 is
-    generated. No (tokens × vocab) tensor exists beyond a chunk, however many rows there are."""
-    where = loss_mask[:, 1:].bool().nonzero()
-    for start in range(0, len(where), POSITION_CHUNK):
-        rows, positions = where[start : start + POSITION_CHUNK].unbind(1)
+    """(row index, logits) of the predictions of generated tokens, one chunk of `generated_positions` at a time:
+    from logits, or from hidden states through `head`. No (tokens × vocab) tensor exists beyond a chunk, however
+    many rows there are."""
+    for rows, positions in generated_positions(loss_mask):
         part = features[rows, positions]
         yield rows, part if head is None else head(part)
 
@@ -297,16 +317,70 @@ def masked_logits(
 LogitChunks = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (row index, logits) chunks, as `masked_logits` yields
 
 
+class KLReference:
+    """The policy before an update at the generated positions of some rows: the p side of KL(p ‖ q), as float64
+    (log p, p) (`log_probs`), one chunk of `generated_positions` at a time, from `features` (logits, or final hidden
+    states through `head`). Iterate it once per comparison (`row_kl`).
+
+    The first chunks, up to `keep_bytes`, are kept after the first pass: every try of the guard compares its stepped
+    policy with the same unstepped one, and a kept chunk skips its LM head and softmax on the later tries (on
+    SmolLM2-135M on a CPU, a tenth of a try). The rest are computed again on every pass, so what is held of the
+    (tokens × vocab) tensors is at most `keep_bytes`."""
+
+    def __init__(
+        self,
+        features: torch.Tensor,
+        loss_mask: torch.Tensor,
+        head: HeadFn | None,
+        temperature: float,
+        keep_bytes: int = 0,
+    ) -> None:
+        self.features, self.head, self.temperature = features, head, temperature
+        self.chunks = generated_positions(loss_mask)
+        self.keep_bytes = keep_bytes
+        self.kept: torch.Tensor | None = None  # (2, positions, vocab): log p and p of the first chunks, in one block
+        self.kept_chunks = 0
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        start = 0
+        for k, (rows, positions) in enumerate(self.chunks):
+            end = start + len(rows)
+            if k < self.kept_chunks:
+                yield rows, self.kept[0, start:end], self.kept[1, start:end]
+            else:
+                part = self.features[rows, positions]
+                log_p, p = log_probs(part if self.head is None else self.head(part), self.temperature)
+                if k == self.kept_chunks and self._keep(log_p, p, start, end):
+                    self.kept_chunks += 1
+                yield rows, log_p, p
+            start = end
+
+    def _keep(self, log_p: torch.Tensor, p: torch.Tensor, start: int, end: int) -> bool:
+        """Copy a chunk into the block (allocated once, at the first chunk: one block leaves no holes between the
+        kept chunks and the tries' temporaries), if it fits."""
+        if self.kept is None:
+            positions = sum(len(rows) for rows, _ in self.chunks)
+            fits = min(positions, self.keep_bytes // (2 * log_p.element_size() * log_p.shape[-1]))
+            if fits < end:
+                return False
+            self.kept = log_p.new_empty((2, fits, log_p.shape[-1]))
+        if end > self.kept.shape[1]:
+            return False
+        self.kept[0, start:end], self.kept[1, start:end] = log_p, p
+        return True
+
+
 def row_kl(
-    before: LogitChunks, after: LogitChunks, rows: int, temperature: float, device: torch.device
+    before: KLReference, after: LogitChunks, rows: int, temperature: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ KL(π_before ‖ π_after), generated positions) per row (float64, on `device`) over matching chunks of
-    `masked_logits`: how far an update moved the policy on each row, whatever moved it (a LoGRA step, AdamW, LoRA)."""
+    """(Σ KL(π_before ‖ π_after), generated positions) per row (float64, on `device`) over matching chunks of the
+    same positions: how far an update moved the policy on each row, whatever moved it (a LoGRA step, AdamW, LoRA)."""
     sums = torch.zeros(rows, dtype=torch.float64, device=device)
     counts = torch.zeros(rows, dtype=torch.float64, device=device)
-    for (index, logits_p), (_, logits_q) in zip(before, after, strict=True):
+    for (index, log_p, p), (_, logits_q) in zip(before, after, strict=True):
         index = index.to(device)
-        sums.index_add_(0, index, exact_kl(logits_p.to(device), logits_q.to(device), temperature))
+        sums.index_add_(0, index, kl_from_log_probs(log_p.to(device), p.to(device), logits_q.to(device), temperature))
         counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
     return sums, counts
 

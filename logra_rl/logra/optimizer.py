@@ -32,9 +32,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from logra_rl.logra.config import LoGRAConfig
 from logra_rl.logra.kl import (
+    REFERENCE_BYTES,
     GuardedStep,
     KLController,
     KLEstimate,
+    KLReference,
     KLRows,
     LowRankStep,
     features,
@@ -296,16 +298,17 @@ class LoGRAOptimizer:
         kl = self.config.kl
         if kl.estimator != "finite_difference":
             return reduced_mean_kl(*jvp_kl(rows, self.proposal(), temperature))
-        base = features(rows)
+        before = KLReference(features(rows), rows.loss_mask, rows.head, temperature, REFERENCE_BYTES)
         h = kl.fd_step
-        return sum(self._measure(rows, base, scale, temperature, 0.5).mean for scale in (h, -h)) / (2 * h**2)
+        return sum(self._measure(rows, before, scale, temperature, 0.5).mean for scale in (h, -h)) / (2 * h**2)
 
     def realized_kl(self, rows: KLRows, temperature: float, alpha: float, confidence: float = 0.5) -> KLEstimate:
         """The exact KL per generated token that commit(alpha) will cause, wire rounding and the compute dtype's
         rounding of the merged weights included, on `rows` (cut to `kl.probe_max_tokens`), with an upper bound on
         the KL over the contexts the rows sample, at `confidence`. The weights are not touched (`trial`)."""
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
-        return self._measure(rows, features(rows), alpha, temperature, confidence)
+        before = KLReference(features(rows), rows.loss_mask, rows.head, temperature)
+        return self._measure(rows, before, alpha, temperature, confidence)
 
     def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
         """q (`kl.estimator`: the controller's curvature from the committed steps, or the JVP / finite differences on
@@ -321,23 +324,24 @@ class LoGRAOptimizer:
         q = self.kl_controller.curvature if previous else self.probe_kl(rows, temperature)
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
         base = features(rows) if rows.features is None else rows.features
+        before = KLReference(base, rows.loss_mask, rows.head, temperature, REFERENCE_BYTES)  # shared by the tries
         confidence = self.config.kl.guard_confidence
 
         def measure(alpha: float) -> KLEstimate:
-            return self._measure(rows, base, alpha, temperature, confidence)
+            return self._measure(rows, before, alpha, temperature, confidence)
 
         return self.kl_controller.guard(q, budget, measure)
 
     def _measure(
-        self, rows: KLRows, base: torch.Tensor, alpha: float, temperature: float, confidence: float
+        self, rows: KLRows, before: KLReference, alpha: float, temperature: float, confidence: float
     ) -> KLEstimate:
         # per try, forwards of similar length cost one merge in all: worth their fewer tokens
-        per_try = self.config.kl.merges_per_try(self.targets[0].module.weight.device.type == "cuda")
+        cuda = self.targets[0].module.weight.device.type == "cuda"
+        per_try = self.config.kl.merges_per_try(cuda, sum(local_rows(t.module.weight)[0].nbytes for t in self.targets))
         with self.trial(alpha, per_try):
             stepped = features(rows, overhead=rows.input_ids.shape[1] if per_try else None)
-        mask, head = rows.loss_mask, rows.head
-        before, after = masked_logits(base, mask, head), masked_logits(stepped, mask, head)
-        sums, counts = row_kl(before, after, len(rows), temperature, base.device)
+        after = masked_logits(stepped, rows.loss_mask, rows.head)
+        sums, counts = row_kl(before, after, len(rows), temperature, stepped.device)
         return kl_estimate(sums, counts, confidence, rows.weights)
 
     def _probe_rows(self, rows: KLRows) -> KLRows:

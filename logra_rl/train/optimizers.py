@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -29,8 +29,9 @@ from logra_rl.config import OptimizerConfig, RunConfig
 from logra_rl.logra import (
     ATTENTION_BLOCK,
     POSITION_CHUNK,
+    REFERENCE_BYTES,
+    KLReference,
     KLRows,
-    LogitChunks,
     LoGRAOptimizer,
     Payload,
     ProbeError,
@@ -77,7 +78,7 @@ def policy_forward(model: nn.Module) -> Iterator[None]:
             model.reshard()
 
 
-def predictions(rows: KLRows, head_trains: bool) -> LogitChunks:
+def predictions(rows: KLRows, head_trains: bool, temperature: float) -> KLReference:
     """The policy's predictions at the generated positions of `rows`, kept to be compared with the policy after an
     update (`moved`); run inside `policy_forward`. The final hidden states are kept and the head applied when they
     are compared, one chunk of positions at a time: a copy of the head as it is now where the update moves it."""
@@ -86,7 +87,7 @@ def predictions(rows: KLRows, head_trains: bool) -> LogitChunks:
         if not isinstance(head, LMHead):
             raise TypeError("an update that moves the LM head needs KLRows.head to be an LMHead, to keep a copy of it")
         head = head.frozen()
-    return masked_logits(features(rows) if rows.features is None else rows.features, rows.loss_mask, head)
+    return KLReference(features(rows) if rows.features is None else rows.features, rows.loss_mask, head, temperature)
 
 
 def measured_rows(config: RunConfig, responses: int) -> int:
@@ -104,7 +105,7 @@ def forward_memory(model: ModelFootprint, rows: int, length: int, forward_tokens
 
 
 def kl_chunk_memory(model: ModelFootprint) -> float:
-    """The float64 temporaries of one chunk of `exact_kl` (two log-softmaxes, their difference, the product)."""
+    """The float64 temporaries of one chunk of `exact_kl`: the logits, two log-softmaxes, p, their difference."""
     return 5 * 8 * POSITION_CHUNK * model.vocab
 
 
@@ -115,7 +116,7 @@ def kept_predictions(model: ModelFootprint, rows: int, length: int, head_trains:
     return rows * length * model.hidden * model.compute_bytes + head
 
 
-def moved(before: LogitChunks, rows: KLRows, temperature: float) -> float:
+def moved(before: KLReference, rows: KLRows, temperature: float) -> float:
     """KL(π_before ‖ π_now) per generated token of `rows` over every rank: how far the updates since `before`
     (`predictions`) moved the policy there; run inside `policy_forward`."""
     after = masked_logits(features(rows), rows.loss_mask, rows.head)
@@ -272,7 +273,7 @@ class DenseUpdate:
             if rows is not None:
                 start = time.perf_counter()
                 with policy_forward(self.model):
-                    before = predictions(rows, self.trains_head)
+                    before = predictions(rows, self.trains_head, self.temperature)
                 seconds = time.perf_counter() - start
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -300,7 +301,7 @@ class DenseUpdate:
     def refuse(self, step: int, staleness: int, behaviour_kl: float) -> None:
         """Nothing to record: no budget."""
 
-    def _realized_kl(self, before: LogitChunks, rows: KLRows) -> dict[str, float]:
+    def _realized_kl(self, before: KLReference, rows: KLRows) -> dict[str, float]:
         """`train/kl_realized` of the step just taken, or nothing when it could not be measured (no generated
         token, a non-finite KL): the step stands either way, only its measurement is missing."""
         try:
@@ -396,9 +397,10 @@ class LoGRAUpdate:
         kl = config.logra.kl
         length = min(sequence, kl.probe_max_tokens)
         rows = measured_rows(config, kl.guard_responses)
-        trial = 4 * model.target_params / (1 if kl.merges_per_try(cuda) else model.layers) / ranks
+        copy = 4 * model.target_params / ranks
+        trial = copy / (1 if kl.merges_per_try(cuda, copy) else model.layers)
         guard = forward_memory(model, rows, length, kl.forward_tokens) + rows * length * model.hidden * c
-        guard += trial + kl_chunk_memory(model)
+        guard += trial + kl_chunk_memory(model) + min(REFERENCE_BYTES, rows * length * model.vocab * 16)
         proposal = 0.0
         if kl.estimator == "jvp":
             attention = 6 * 4 * ATTENTION_BLOCK + 2 * 2 * 4 * length * model.heads * model.head_dim
@@ -415,8 +417,15 @@ class LoGRAUpdate:
 
     @staticmethod
     def memory_cuts(config: RunConfig) -> tuple[MemoryCut, ...]:
-        rank = config.logra.rank
-        return ((f"logra.rank={rank // 2}", {"logra": {"rank": rank // 2}}),) if rank >= 16 else ()
+        """Half the rank; one unit merged at a time in the guard's tries where `kl.trial_merge=per_try` holds a copy
+        of the rank's target rows for each try (`auto` holds one only while it is small)."""
+        logra, cuts = config.logra, []
+        if logra.rank >= 16:
+            cuts.append((f"logra.rank={logra.rank // 2}", {"logra": {"rank": logra.rank // 2}}))
+        if logra.kl.trial_merge == "per_try":
+            per_unit = replace(logra.kl, trial_merge="per_unit")
+            cuts.append(("logra.kl.trial_merge=per_unit", {"logra": {"kl": per_unit}}))
+        return tuple(cuts)
 
     @staticmethod
     def prepare_model(model: nn.Module, config: RunConfig) -> nn.Module:

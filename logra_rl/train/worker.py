@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_rl.config import RunConfig
-from logra_rl.logra import KLRows, LogitChunks, Payload, ProbeError, decoder_layers
+from logra_rl.logra import KLReference, KLRows, Payload, ProbeError, decoder_layers
 from logra_rl.models.footprint import LOADING, TRAINING, ModelFootprint, Part
 from logra_rl.models.head import LMHead, fold_head_inputs
 from logra_rl.models.prefill import prompt_prefill
@@ -298,7 +298,7 @@ class TrainWorker:
                     return metrics | self._staleness_metrics(staleness, behaviour_kl, bound), StaleBatch(reason)
                 if heldout is not None:
                     with timer("heldout"), policy_forward(self.model):
-                        before = predictions(heldout, self.rule_class.trains_head)
+                        before = predictions(heldout, self.rule_class.trains_head, self.temperature)
             inputs = UpdateInputs(
                 step=step,
                 num_tokens=sums["tokens"],
@@ -358,7 +358,7 @@ class TrainWorker:
     def _seed(self, step: int, stream: int) -> int:
         return stream_seed(self.config.trainer.seed, step, stream, self.rank)
 
-    def _heldout_metrics(self, before: LogitChunks, heldout: KLRows, per_epoch: list[dict[str, float]]) -> dict:
+    def _heldout_metrics(self, before: KLReference, heldout: KLRows, per_epoch: list[dict[str, float]]) -> dict:
         """heldout/kl: how far the step's committed updates moved the policy on rows neither the gradient nor the
         guard saw; heldout/kl_budget: the sum of those updates' budgets (LoGRA)."""
         committed = [m for m in per_epoch if not m.get("train/skipped")]

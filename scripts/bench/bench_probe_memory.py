@@ -10,8 +10,9 @@ that point:
 
 - jvp: the proposal, `LoGRAOptimizer.probe_kl` with the JVP on `probe_responses` (2) rows of --tokens tokens, one
   row at a time, attention in blocks of `ATTENTION_BLOCK` scores;
-- guard: the guard's measurement of one step on `guard_responses` (8) rows: the unstepped forward, one stepped
-  forward inside `trial`, the KL of every row;
+- guard: the guard on one step (`LoGRAOptimizer.guarded_step`, every try it takes) on `guard_responses` (8) rows:
+  the unstepped forward, the stepped forwards inside `trial`, the KL of every row against the unstepped side's
+  log-probs it keeps for the later tries (`KLReference`);
 - jvp_math_kernel: the JVP as it ran before (SDPA's math kernel: all scores of a layer at once), at --math-tokens
   (its rows × heads × tokens² fp32 scores do not fit this machine at 4,096), for comparison.
 
@@ -46,6 +47,7 @@ from logra_rl.utils.timing import timed
 
 MEASUREMENTS = ("jvp", "guard", "jvp_math_kernel")
 PROBE_ROWS, GUARD_ROWS, RANK = 2, 8, 32
+GUARD_BUDGET = 1e-3  # KL per token the guarded step is held to (the proposal starts at α = 1: a few tries)
 SHAPE = dict(
     vocab_size=8192,
     hidden_size=256,
@@ -93,7 +95,7 @@ def run(measurement: str, tokens: int) -> dict:
     ids = torch.randint(0, SHAPE["vocab_size"], (rows, tokens), generator=torch.Generator().manual_seed(1))
     mask = torch.zeros_like(ids)
     mask[:, tokens // 4 :] = 1  # a quarter prompt, three quarters response
-    opt = LoGRAOptimizer(model, logra_config("jvp", tokens))
+    opt = LoGRAOptimizer(model, logra_config("previous" if measurement == "guard" else "jvp", tokens))
     model.train()
     for row in ids[:1, :256]:  # a short backward: the update only has to exist
         logits = model(input_ids=row[None]).logits
@@ -103,13 +105,15 @@ def run(measurement: str, tokens: int) -> dict:
     hidden = KLRows(lambda x: model.model(input_ids=x).last_hidden_state, ids, mask, model.lm_head)
     baseline = reset_peak_rss()
     if measurement == "guard":
-        result, seconds = timed(lambda: opt.realized_kl(hidden, 1.0, 1.0).mean)
+        step, seconds = timed(lambda: opt.guarded_step(hidden, 1.0, GUARD_BUDGET))
+        result, extra = step.kl, {"tries": step.tries}
     else:
         math_kernel = measurement == "jvp_math_kernel"
         if math_kernel:  # the JVP as it was: attention through SDPA's math kernel, all of a layer's scores at once
             kl.ChunkedAttention = contextlib.nullcontext
         with sdpa_kernel([SDPBackend.MATH]) if math_kernel else contextlib.nullcontext():
             result, seconds = timed(lambda: opt.probe_kl(hidden, 1.0))
+        extra = {}
     assert result > 0
     return {
         "measurement": measurement,
@@ -117,6 +121,7 @@ def run(measurement: str, tokens: int) -> dict:
         "tokens": tokens,
         "peak_gib": (peak_rss_since_reset() - baseline) / GIB,
         "seconds": seconds,
+        **extra,
     }
 
 

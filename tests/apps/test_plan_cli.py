@@ -22,8 +22,8 @@ def logra_plan(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, floa
 @pytest.mark.parametrize(
     ("preset", "model", "train_gpu_gib", "rollout_gpu_gib"),
     [  # docs/gpu.md, "What fits": LoGRA's need per train GPU and per rollout GPU on 8×H100-80GB
-        ("dapo_math_7b", "Qwen/Qwen2.5-7B", "28.55", "52.75"),
-        ("reasoning_gym_hard_27b", "google/gemma-3-27b-it", "69.20", "52.52"),
+        ("dapo_math_7b", "Qwen/Qwen2.5-7B", "28.82", "52.75"),
+        ("reasoning_gym_hard_27b", "google/gemma-3-27b-it", "69.47", "52.52"),
     ],
 )
 def test_a_gpu_preset_is_planned_from_its_models_known_shape(tmp_path, preset, model, train_gpu_gib, rollout_gpu_gib):

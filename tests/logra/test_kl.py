@@ -236,11 +236,47 @@ def test_probes_through_the_lm_head_in_chunks_equal_the_full_logits(estimator):
     full, chunked = KLRows(logits_fn(model), batch, loss_mask), KLRows(hidden_states, batch, loss_mask, head)
     q_full = opt.probe_kl(full, TEMPERATURE)
     q_chunked = opt.probe_kl(chunked, TEMPERATURE)
+    if estimator == "finite_difference":  # the unstepped side once, kept for both steps (±fd_step): 3 passes, not 4
+        chunks = len(kl.generated_positions(chunked.first(3).loss_mask))
+        assert len(widths) == 3 * chunks
     assert q_chunked == pytest.approx(q_full, rel=1e-5) and q_full > 0
     measured_full = opt.realized_kl(full, TEMPERATURE, 0.5)
     measured_chunked = opt.realized_kl(chunked, TEMPERATURE, 0.5)
     assert measured_chunked.mean == pytest.approx(measured_full.mean, rel=1e-5) and measured_full.mean > 0
     assert max(widths) <= POSITION_CHUNK and len(widths) >= 4  # never all 4 × 90 positions at once
+
+
+def test_a_kept_reference_gives_every_pass_the_same_kl_and_holds_at_most_its_bytes():
+    """The unstepped side is computed once per comparison source: its first chunks, up to `keep_bytes`, are kept
+    for the later passes (the guard's tries), the rest run through the head again; every pass gives the KL of
+    `exact_kl` on the full logits."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32, bias=False)
+    before, after = torch.randn(3, 150, 8), torch.randn(3, 150, 8)
+    mask = torch.ones(3, 150, dtype=torch.long)
+    mask[:, :10] = 0  # 3 × 140 predictions: 7 chunks
+    calls = []
+
+    def counted(hidden):
+        calls.append(hidden.shape[0])
+        return head(hidden)
+
+    chunk = 2 * 8 * POSITION_CHUNK * 32  # float64 log p and p of one full chunk
+    reference = kl.KLReference(before, mask, counted, TEMPERATURE, keep_bytes=2 * chunk + 1)
+    with torch.no_grad():
+        full = exact_kl(head(before[:, :-1]), head(after[:, :-1]), TEMPERATURE) * mask[:, 1:]
+        want = full.sum(dim=1)
+        passes = [
+            kl.row_kl(reference, kl.masked_logits(after, mask, head), 3, TEMPERATURE, torch.device("cpu"))
+            for _ in range(3)
+        ]
+    for sums, counts in passes:
+        assert torch.allclose(sums, want, rtol=1e-12) and counts.tolist() == [140.0] * 3
+    assert len(calls) == 7 + 5 + 5  # the first pass runs every chunk, the later ones all but the two kept
+    assert reference.kept_chunks == 2
+    # outside no_grad too, neither side records a graph through the head (a try's memory and time)
+    assert not any(log_p.requires_grad for _, log_p, _ in reference)
+    assert not any(logits.requires_grad for _, logits in kl.masked_logits(after, mask, head))
 
 
 def test_lost_jvp_is_an_error():
@@ -504,6 +540,19 @@ def test_guard_grows_an_undershooting_step_once_and_proposes_from_the_commits_me
 def test_guard_settings_are_checked(key, value):
     with pytest.raises(ValueError, match=f"logra.kl.{key}"):
         KLConfig(**{key: value})
+
+
+def test_auto_merges_per_try_off_gpus_only_while_the_copy_is_small():
+    """`trial_merge=auto` holds a copy of the rank's target rows per try off GPUs, up to TRIAL_COPY_BYTES (SmolLM2's
+    0.4 GiB, not a 1.5B model's 2.4 GiB a rank); per_try and per_unit are what they say."""
+    from logra_rl.logra.config import TRIAL_COPY_BYTES
+
+    auto = KLConfig()
+    assert auto.merges_per_try(cuda=False, copy_bytes=0.4 * 2**30)
+    assert not auto.merges_per_try(cuda=False, copy_bytes=TRIAL_COPY_BYTES + 1)
+    assert not auto.merges_per_try(cuda=True, copy_bytes=1)
+    assert KLConfig(trial_merge="per_try").merges_per_try(cuda=True, copy_bytes=10 * TRIAL_COPY_BYTES)
+    assert not KLConfig(trial_merge="per_unit").merges_per_try(cuda=False, copy_bytes=1)
 
 
 def test_cosine_schedule_endpoints_and_reference_values():
