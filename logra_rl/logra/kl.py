@@ -362,9 +362,7 @@ class KLReference:
         if self.kept is None:
             positions = sum(len(rows) for rows, _ in self.chunks)
             fits = min(positions, self.keep_bytes // (2 * log_p.element_size() * log_p.shape[-1]))
-            if fits < end:
-                return False
-            self.kept = log_p.new_empty((2, fits, log_p.shape[-1]))
+            self.kept = log_p.new_empty((2, fits if fits >= end else 0, log_p.shape[-1]))
         if end > self.kept.shape[1]:
             return False
         self.kept[0, start:end], self.kept[1, start:end] = log_p, p

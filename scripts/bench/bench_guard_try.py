@@ -182,10 +182,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"prompt": prompt, "lengths": lengths, "real_tokens": sum(real), "packed_max_abs_difference": worst}
     record |= {"kl_per_unit": per_unit, "kl_per_try": per_try, "kl_prompts_once": prompts_once, "chunks": chunks}
-    record |= {
-        "prompts": args.prompts,
-        "threads": torch.get_num_threads(),
-    }
+    record |= {"prompts": args.prompts, "threads": torch.get_num_threads()}
     args.out.write_text(json.dumps({**record, "results": results}, indent=2))
     print(f"wrote {args.out}")
 
