@@ -239,17 +239,33 @@ def ray_head(temp: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    address = None
     try:
         address_file = Path(temp, "ray", "ray_current_cluster")  # written once the head is up
         deadline = time.monotonic() + 90
         while not address_file.exists():
             assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        yield address_file.read_text().strip(), head
+        address = address_file.read_text().strip()
+        yield address, head
     finally:
         with suppress(ProcessLookupError):  # all gone already
             os.killpg(head.pid, signal.SIGKILL)
         head.wait()
+        if address:  # `ray start` is reaped before its GCS has closed its port: wait until it no longer answers
+            wait_closed(address)
+
+
+def wait_closed(address: str, timeout_s: float = 30) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"the killed Ray head still answers at {address} after {timeout_s:g} s"
+        time.sleep(0.1)
 
 
 def gcs_address() -> str:
