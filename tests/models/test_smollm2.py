@@ -63,6 +63,34 @@ def test_fetching_again_is_a_no_op_and_a_failed_download_says_what_to_do(smollm2
     assert not (tmp_path / "model").exists()  # nothing half-built is left where the model would be
 
 
+def test_two_processes_building_at_once_keep_the_build_that_finished_first(tmp_path, monkeypatch):
+    """A sweep's jobs or parallel tests fetch at once: the one that renames second keeps the first's model (an
+    incomplete directory, an interrupted build, is still replaced)."""
+    import logra_rl.models.smollm2 as smollm2
+
+    out = tmp_path / "model"
+
+    def convert(gguf: Path, staging: Path) -> None:  # the other process finishes while this one converts
+        staging.mkdir()
+        (staging / "config.json").write_text("mine")
+        out.mkdir()
+        (out / "config.json").write_text("theirs")
+        (out / COMPLETE).write_text("done")
+
+    monkeypatch.setattr(smollm2, "gguf_file", lambda scratch: scratch / "model.gguf")
+    monkeypatch.setattr(smollm2, "_convert", convert)
+    assert fetch_smollm2(out) == out and (out / "config.json").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # this one's build is gone
+
+    def alone(gguf: Path, staging: Path) -> None:
+        staging.mkdir()
+        (staging / "config.json").write_text("mine")
+
+    (out / COMPLETE).unlink()  # what an interrupted build leaves: no marker
+    monkeypatch.setattr(smollm2, "_convert", alone)
+    assert fetch_smollm2(out) == out and (out / "config.json").read_text() == "mine" and (out / COMPLETE).exists()
+
+
 def test_prompts_use_the_chat_template_and_generation_stops_at_im_end(smollm2_model):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == tokenizer.eos_token_id == 2
