@@ -370,15 +370,18 @@ class KLReference:
 
 
 def row_kl(
-    before: KLReference, after: LogitChunks, rows: int, temperature: float, device: torch.device
+    before: KLReference, after: LogitChunks, rows: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ KL(π_before ‖ π_after), generated positions) per row (float64, on `device`) over matching chunks of the
-    same positions: how far an update moved the policy on each row, whatever moved it (a LoGRA step, AdamW, LoRA)."""
+    same positions, at `before`'s temperature: how far an update moved the policy on each row, whatever moved it (a
+    LoGRA step, AdamW, LoRA)."""
     sums = torch.zeros(rows, dtype=torch.float64, device=device)
     counts = torch.zeros(rows, dtype=torch.float64, device=device)
     for (index, log_p, p), (_, logits_q) in zip(before, after, strict=True):
         index = index.to(device)
-        sums.index_add_(0, index, kl_from_log_probs(log_p.to(device), p.to(device), logits_q.to(device), temperature))
+        sums.index_add_(
+            0, index, kl_from_log_probs(log_p.to(device), p.to(device), logits_q.to(device), before.temperature)
+        )
         counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
     return sums, counts
 

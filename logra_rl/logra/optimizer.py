@@ -300,7 +300,7 @@ class LoGRAOptimizer:
             return reduced_mean_kl(*jvp_kl(rows, self.proposal(), temperature))
         before = KLReference(features(rows), rows.loss_mask, rows.head, temperature, REFERENCE_BYTES)
         h = kl.fd_step
-        return sum(self._measure(rows, before, scale, temperature, 0.5).mean for scale in (h, -h)) / (2 * h**2)
+        return sum(self._measure(rows, before, scale, 0.5).mean for scale in (h, -h)) / (2 * h**2)
 
     def realized_kl(self, rows: KLRows, temperature: float, alpha: float, confidence: float = 0.5) -> KLEstimate:
         """The exact KL per generated token that commit(alpha) will cause, wire rounding and the compute dtype's
@@ -308,7 +308,7 @@ class LoGRAOptimizer:
         the KL over the contexts the rows sample, at `confidence`. The weights are not touched (`trial`)."""
         rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
         before = KLReference(features(rows), rows.loss_mask, rows.head, temperature)
-        return self._measure(rows, before, alpha, temperature, confidence)
+        return self._measure(rows, before, alpha, confidence)
 
     def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
         """q (`kl.estimator`: the controller's curvature from the committed steps, or the JVP / finite differences on
@@ -328,20 +328,18 @@ class LoGRAOptimizer:
         confidence = self.config.kl.guard_confidence
 
         def measure(alpha: float) -> KLEstimate:
-            return self._measure(rows, before, alpha, temperature, confidence)
+            return self._measure(rows, before, alpha, confidence)
 
         return self.kl_controller.guard(q, budget, measure)
 
-    def _measure(
-        self, rows: KLRows, before: KLReference, alpha: float, temperature: float, confidence: float
-    ) -> KLEstimate:
+    def _measure(self, rows: KLRows, before: KLReference, alpha: float, confidence: float) -> KLEstimate:
         # per try, forwards of similar length cost one merge in all: worth their fewer tokens
         cuda = self.targets[0].module.weight.device.type == "cuda"
         per_try = self.config.kl.merges_per_try(cuda, sum(local_rows(t.module.weight)[0].nbytes for t in self.targets))
         with self.trial(alpha, per_try):
             stepped = features(rows, overhead=rows.input_ids.shape[1] if per_try else None)
         after = masked_logits(stepped, rows.loss_mask, rows.head)
-        sums, counts = row_kl(before, after, len(rows), temperature, stepped.device)
+        sums, counts = row_kl(before, after, len(rows), stepped.device)
         return kl_estimate(sums, counts, confidence, rows.weights)
 
     def _probe_rows(self, rows: KLRows) -> KLRows:

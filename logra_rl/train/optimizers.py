@@ -116,11 +116,11 @@ def kept_predictions(model: ModelFootprint, rows: int, length: int, head_trains:
     return rows * length * model.hidden * model.compute_bytes + head
 
 
-def moved(before: KLReference, rows: KLRows, temperature: float) -> float:
+def moved(before: KLReference, rows: KLRows) -> float:
     """KL(π_before ‖ π_now) per generated token of `rows` over every rank: how far the updates since `before`
     (`predictions`) moved the policy there; run inside `policy_forward`."""
     after = masked_logits(features(rows), rows.loss_mask, rows.head)
-    sums, counts = row_kl(before, after, len(rows), temperature, rows.input_ids.device)
+    sums, counts = row_kl(before, after, len(rows), rows.input_ids.device)
     return kl_estimate(sums, counts, 0.5, rows.weights).mean
 
 
@@ -306,7 +306,7 @@ class DenseUpdate:
         token, a non-finite KL): the step stands either way, only its measurement is missing."""
         try:
             with policy_forward(self.model):
-                return {"train/kl_realized": moved(before, rows, self.temperature)}  # all-reduced: every rank agrees
+                return {"train/kl_realized": moved(before, rows)}  # all-reduced: every rank agrees
         except (ProbeError, FloatingPointError):
             return {}
 

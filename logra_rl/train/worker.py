@@ -366,7 +366,7 @@ class TrainWorker:
             return {}
         try:
             with policy_forward(self.model):
-                kl = moved(before, heldout, self.temperature)
+                kl = moved(before, heldout)
         except (ProbeError, FloatingPointError):
             return {}
         budgets = [m["logra/kl_budget"] for m in committed if "logra/kl_budget" in m]

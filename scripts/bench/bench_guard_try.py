@@ -119,7 +119,7 @@ def main() -> None:
 
         def run() -> float:
             opt.config = config
-            return opt._measure(measured, before, 1.0, TEMPERATURE, 0.9).mean
+            return opt._measure(measured, before, 1.0, 0.9).mean
 
         return run
 
@@ -130,7 +130,7 @@ def main() -> None:
     def head_and_kl(before: KLReference) -> Callable[[], float]:
         def run() -> float:
             after = masked_logits(stepped, mask, model.lm_head)
-            return kl_estimate(*row_kl(before, after, len(rows), TEMPERATURE, base.device), 0.9, None).mean
+            return kl_estimate(*row_kl(before, after, len(rows), base.device), 0.9, None).mean
 
         return run
 

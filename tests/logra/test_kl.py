@@ -266,10 +266,7 @@ def test_a_kept_reference_gives_every_pass_the_same_kl_and_holds_at_most_its_byt
     with torch.no_grad():
         full = exact_kl(head(before[:, :-1]), head(after[:, :-1]), TEMPERATURE) * mask[:, 1:]
         want = full.sum(dim=1)
-        passes = [
-            kl.row_kl(reference, kl.masked_logits(after, mask, head), 3, TEMPERATURE, torch.device("cpu"))
-            for _ in range(3)
-        ]
+        passes = [kl.row_kl(reference, kl.masked_logits(after, mask, head), 3, torch.device("cpu")) for _ in range(3)]
     for sums, counts in passes:
         assert torch.allclose(sums, want, rtol=1e-12) and counts.tolist() == [140.0] * 3
     assert len(calls) == 7 + 5 + 5  # the first pass runs every chunk, the later ones all but the two kept
