@@ -181,6 +181,10 @@ class AlgorithmConfig:
     clip_high: float | None = None
     epochs: int = 1  # passes over the batch per step (PPO); each pass is one optimizer update
     grpo_normalize_std: bool = True
+    # an entropy bonus: the loss minus entropy_coeff × Σ of the policy's entropy at each generated token (verl's
+    # entropy_coeff; 0: off). It spreads the policy over the whole vocabulary: on the quickstart 3e-3 to 3e-2 broke
+    # the answer format before they helped a collapsed seed (docs/benchmarks.md §16)
+    entropy_coeff: float = 0.0
     # generation and training at the same time: step t trains on a batch sampled by the weights after step
     # t - 1 - max_staleness (0: the synchronous loop; 1: the engines generate batch t + 1 while batch t trains)
     max_staleness: int = 0
@@ -210,6 +214,12 @@ class AlgorithmConfig:
             "running_baseline or grpo",
         )
         check_positive("algorithm.tis_cap", self.tis_cap)
+        check(
+            isinstance(self.entropy_coeff, int | float) and self.entropy_coeff >= 0,
+            "algorithm.entropy_coeff",
+            self.entropy_coeff,
+            "must be >= 0 (0 turns the entropy bonus off)",
+        )
         check_fraction("algorithm.baseline_weight", self.baseline_weight)
         check(
             self.length_reference is None or self.length_reference > 0,

@@ -8,6 +8,7 @@ typo in an override cannot be silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,10 @@ TRIAL_MERGES = ("auto", "per_try", "per_unit")
 # `trial_merge=auto` holds a copy of the rank's target rows per try up to this size: SmolLM2-135M's (0.4 GiB); not
 # Qwen2.5-1.5B's (2.4 GiB a rank on two), which would no longer fit a 24 GiB machine beside its engine
 TRIAL_COPY_BYTES = 2**30
+# ... and only for a try with at least this much work (the rows' tokens × the rank's target parameters): below it a
+# CPU forward costs its fixed overheads more than its tokens, so fewer forwards beat fewer tokens. The quickstart's
+# guard rows are ~4e8 (per_try and prompts once made a try 40% slower there), SmolLM2's ~5e11 (23% faster).
+TRIAL_MIN_WORK = 1e10
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class KLConfig:
     final_budget: float = 2e-5
     schedule: str = "cosine"  # cosine: budget -> final_budget over schedule_steps; constant: budget
     schedule_steps: int = 300
+    # the first warmup_steps updates get (update + 1) / warmup_steps of the scheduled budget: the first gradients of a
+    # policy at chance are mostly noise, and full-budget steps along them can collapse it onto one answer (0: none)
+    warmup_steps: int = 0
     alpha_max: float = 3.0
     # The guard: a step whose measured KL's upper bound exceeds max_overshoot × budget is shrunk and measured again,
     # at most max_tries measurements in all, then refused (inf: commit the proposed α, measuring it once).
@@ -62,10 +70,11 @@ class KLConfig:
     probe_max_tokens: int = 4096  # every measured row is cut to this many tokens
     forward_tokens: int = 32768  # tokens per no-grad forward of the probe and guard: more rows run in chunks
     # How a try computes with the stepped weights: per_try merges the step into every target once and runs the rows
-    # under it in forwards of similar length (holds a copy of the rank's target rows); per_unit merges it into one
-    # FSDP2 unit at a time around each forward (one unit's rows held twice; the rows in as few forwards as fit);
-    # auto: per_try on CPU, where a merge costs as much as a forward of a few rows, while the copy is at most
-    # TRIAL_COPY_BYTES; per_unit on GPUs and past it.
+    # under it in forwards of similar length, each distinct prompt once where the caller can (holds a copy of the
+    # rank's target rows); per_unit merges it into one FSDP2 unit at a time around each forward (one unit's rows held
+    # twice; the whole rows in as few forwards as fit); auto: per_try on CPU, where a merge costs as much as a
+    # forward of a few rows, while the copy is at most TRIAL_COPY_BYTES and the try's work at least TRIAL_MIN_WORK;
+    # per_unit on GPUs and otherwise.
     trial_merge: str = "auto"
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
@@ -76,6 +85,7 @@ class KLConfig:
         check_positive("logra.kl.final_budget", self.final_budget)
         check_choice("logra.kl.schedule", self.schedule, KL_SCHEDULES)
         check_positive_int("logra.kl.schedule_steps", self.schedule_steps)
+        check_non_negative_int("logra.kl.warmup_steps", self.warmup_steps, "0: no warm-up")
         check_positive("logra.kl.alpha_max", self.alpha_max)
         check(
             isinstance(self.max_overshoot, int | float) and self.max_overshoot >= 1,
@@ -101,11 +111,12 @@ class KLConfig:
         check_fraction("logra.kl.mismatch_ema_weight", self.mismatch_ema_weight)
         check_fraction("logra.kl.mismatch_budget_floor", self.mismatch_budget_floor)
 
-    def merges_per_try(self, cuda: bool, copy_bytes: float) -> bool:
-        """`trial_merge` for targets on a GPU (`cuda`) or not, whose rows on this rank take `copy_bytes`: auto is
-        per_try off GPUs while that copy is at most TRIAL_COPY_BYTES."""
+    def merges_per_try(self, cuda: bool, copy_bytes: float, tokens: float = math.inf) -> bool:
+        """`trial_merge` for targets on a GPU (`cuda`) or not, whose fp32 rows on this rank take `copy_bytes`, for a
+        try on rows of `tokens` tokens (inf: the largest a run may have): auto is per_try off GPUs while that copy is
+        at most TRIAL_COPY_BYTES and the try's work (tokens × parameters) at least TRIAL_MIN_WORK."""
         if self.trial_merge == "auto":
-            return not cuda and copy_bytes <= TRIAL_COPY_BYTES
+            return not cuda and copy_bytes <= TRIAL_COPY_BYTES and tokens * copy_bytes / 4 >= TRIAL_MIN_WORK
         return self.trial_merge == "per_try"
 
 

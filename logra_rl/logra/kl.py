@@ -129,7 +129,8 @@ class KLRows:
     # where its numbers are the measurement's: fp32 compute): the guard then skips its unstepped forward
     features: torch.Tensor | None = None
     # Runs each distinct prompt once and the rows after it from its keys and values (`features`), where the model
-    # can: the rows of a group share their prompt, which on short answers is most of each row
+    # can: the rows of a group share their prompt, which on short answers is most of each row (the guard's tries use
+    # it on the per-try path only, `KLConfig.merges_per_try`: it costs one more forward)
     prefill: PrefillFn | None = None
 
     def __post_init__(self) -> None:
@@ -566,11 +567,14 @@ def _growth(tried: list[tuple[float, KLEstimate]]) -> float:
 
 
 def scheduled_budget(config: KLConfig, update: int) -> float:
-    """δ for the update after `update` completed ones: cosine from budget to final_budget, or constant."""
+    """δ for the update after `update` completed ones: cosine from budget to final_budget, or constant; the first
+    `warmup_steps` updates a linearly growing share of it."""
+    warmup = min((update + 1) / config.warmup_steps, 1.0) if config.warmup_steps else 1.0
     if config.schedule == "constant":
-        return config.budget
+        return warmup * config.budget
     progress = min(update / max(config.schedule_steps - 1, 1), 1.0)
-    return config.final_budget + 0.5 * (config.budget - config.final_budget) * (1 + math.cos(math.pi * progress))
+    cosine = config.final_budget + 0.5 * (config.budget - config.final_budget) * (1 + math.cos(math.pi * progress))
+    return warmup * cosine
 
 
 def step_scale(q: float, budget: float, alpha_max: float) -> float:

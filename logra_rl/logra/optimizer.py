@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from logra_rl.logra.kl import (
     masked_logits,
     reduced_mean_kl,
     row_kl,
+    row_lengths,
 )
 from logra_rl.logra.merge import merge_low_rank_
 from logra_rl.logra.payload import WIRE_TORCH_DTYPES, PayloadEntry, UpdatePayload
@@ -298,17 +300,18 @@ class LoGRAOptimizer:
         kl = self.config.kl
         if kl.estimator != "finite_difference":
             return reduced_mean_kl(*jvp_kl(rows, self.proposal(), temperature))
+        rows, per_try = self._tried(rows)
         before = KLReference(features(rows), rows.loss_mask, rows.head, temperature, REFERENCE_BYTES)
         h = kl.fd_step
-        return sum(self._measure(rows, before, scale, 0.5).mean for scale in (h, -h)) / (2 * h**2)
+        return sum(self._measure(rows, before, scale, 0.5, per_try).mean for scale in (h, -h)) / (2 * h**2)
 
     def realized_kl(self, rows: KLRows, temperature: float, alpha: float, confidence: float = 0.5) -> KLEstimate:
         """The exact KL per generated token that commit(alpha) will cause, wire rounding and the compute dtype's
         rounding of the merged weights included, on `rows` (cut to `kl.probe_max_tokens`), with an upper bound on
         the KL over the contexts the rows sample, at `confidence`. The weights are not touched (`trial`)."""
-        rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
+        rows, per_try = self._tried(rows.first(len(rows), self.config.kl.probe_max_tokens))
         before = KLReference(features(rows), rows.loss_mask, rows.head, temperature)
-        return self._measure(rows, before, alpha, confidence)
+        return self._measure(rows, before, alpha, confidence, per_try)
 
     def guarded_step(self, rows: KLRows, temperature: float, budget: float) -> GuardedStep:
         """q (`kl.estimator`: the controller's curvature from the committed steps, or the JVP / finite differences on
@@ -322,20 +325,30 @@ class LoGRAOptimizer:
         """
         previous = self.config.kl.estimator == "previous"
         q = self.kl_controller.curvature if previous else self.probe_kl(rows, temperature)
-        rows = rows.first(len(rows), self.config.kl.probe_max_tokens)
+        rows, per_try = self._tried(rows.first(len(rows), self.config.kl.probe_max_tokens))
         base = features(rows) if rows.features is None else rows.features
         before = KLReference(base, rows.loss_mask, rows.head, temperature, REFERENCE_BYTES)  # shared by the tries
         confidence = self.config.kl.guard_confidence
 
         def measure(alpha: float) -> KLEstimate:
-            return self._measure(rows, before, alpha, confidence)
+            return self._measure(rows, before, alpha, confidence, per_try)
 
         return self.kl_controller.guard(q, budget, measure)
 
-    def _measure(self, rows: KLRows, before: KLReference, alpha: float, confidence: float) -> KLEstimate:
-        # per try, forwards of similar length cost one merge in all: worth their fewer tokens
+    def _tried(self, rows: KLRows) -> tuple[KLRows, bool]:
+        """The rows as a try runs them, and whether it merges per try (`kl.trial_merge`): then in forwards of similar
+        length, each prompt once where `rows.prefill` can (worth their fewer tokens where the rows have tokens to
+        save), else whole rows in the fewest forwards. Every rank takes the same path: a prefill is a forward, so a
+        collective, on each."""
+        tokens = torch.tensor(float(sum(row_lengths(rows.loss_mask))), device=rows.input_ids.device)
+        if _distributed():
+            dist.all_reduce(tokens, op=dist.ReduceOp.MAX)
         cuda = self.targets[0].module.weight.device.type == "cuda"
-        per_try = self.config.kl.merges_per_try(cuda, sum(local_rows(t.module.weight)[0].nbytes for t in self.targets))
+        copy = sum(local_rows(t.module.weight)[0].nbytes for t in self.targets)
+        per_try = self.config.kl.merges_per_try(cuda, copy, float(tokens))
+        return (rows if per_try else replace(rows, prefill=None)), per_try
+
+    def _measure(self, rows: KLRows, before: KLReference, alpha: float, confidence: float, per_try: bool) -> KLEstimate:
         with self.trial(alpha, per_try):
             stepped = features(rows, overhead=rows.input_ids.shape[1] if per_try else None)
         after = masked_logits(stepped, rows.loss_mask, rows.head)

@@ -33,8 +33,11 @@ def head_logprobs(
     targets: torch.Tensor,
     temperature: float,
     vocab: int,
-) -> torch.Tensor:
-    """log π(targets[i] | hidden[i]) (float32) for final hidden states (N, H) through the LM head `head`.
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(targets[i] | hidden[i]) and the entropy of π(· | hidden[i]) (float32) for final hidden states (N, H)
+    through the LM head `head`, at the sampling temperature. The entropy is differentiable with `entropy_grad`
+    only (an entropy bonus in the loss); else a metric, at no memory for the backward.
 
     The head runs on `logprob_chunk(vocab)` positions at a time and, with gradients on, every chunk but the last
     recomputes its logits in the backward pass (activation checkpointing), so no (N × vocab) tensor ever
@@ -43,9 +46,12 @@ def head_logprobs(
     them: a microbatch of at most one chunk recomputes nothing.
     """
 
-    def chunk_logprobs(states: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    def chunk_logprobs(states: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = head(states).float() / temperature
-        return logits.gather(-1, picked[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        normaliser = torch.logsumexp(logits, dim=-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+        return logits.gather(-1, picked[:, None]).squeeze(-1) - normaliser, entropy
 
     chunks = []
     size = logprob_chunk(vocab)
@@ -56,4 +62,4 @@ def head_logprobs(
             chunks.append(checkpoint(chunk_logprobs, states, picked, use_reentrant=False))
         else:
             chunks.append(chunk_logprobs(states, picked))
-    return torch.cat(chunks)
+    return torch.cat([logprobs for logprobs, _ in chunks]), torch.cat([entropy for _, entropy in chunks])

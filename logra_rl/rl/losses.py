@@ -20,6 +20,7 @@ class LossStats:
     is_ratio_sum: float  # Σ π_train/π_rollout (before truncation)
     is_truncated: float  # tokens whose importance weight hit the cap
     clipped: float  # tokens whose PPO ratio was clipped
+    entropy: float  # Σ of the policy's entropy at each loss token (0 where no entropies were given)
 
 
 def policy_gradient_loss(
@@ -31,8 +32,11 @@ def policy_gradient_loss(
     old_logprobs: torch.Tensor | None = None,
     clip_low: float | None = None,
     clip_high: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Σ_tokens −A·w·log π (REINFORCE) or the PPO clipped surrogate, weighted by truncated IS.
+    """Σ_tokens −A·w·log π (REINFORCE) or the PPO clipped surrogate, weighted by truncated IS, minus
+    `entropy_coeff`·Σ_tokens H (`entropy`: the policy's entropy at each token, an exploration bonus).
 
     w = min(π_old/π_rollout, tis_cap), detached, corrects for the rollout engine's numerics
     (π_old = π_train at the start of the step). With `clip_low`/`clip_high` the surrogate is
@@ -58,10 +62,16 @@ def policy_gradient_loss(
         per_token = -weight * surrogate
         clipped = ((ratio * advantages > bounded * advantages) * mask).sum()
     loss = (per_token * mask).sum()
+    entropy_sum = torch.zeros((), dtype=logprobs.dtype) if entropy is None else (entropy * mask).sum()
+    if entropy_coeff:
+        if entropy is None:
+            raise ValueError("entropy_coeff > 0 needs the entropies")
+        loss = loss - entropy_coeff * entropy_sum
     stats = LossStats(
         tokens=float(mask.sum()),
         is_ratio_sum=float((is_ratio * mask).sum()),
         is_truncated=float(((is_ratio > tis_cap) * mask).sum()),
         clipped=float(clipped),
+        entropy=float(entropy_sum.detach()),
     )
     return loss, stats

@@ -74,6 +74,7 @@ SUMS = (
     "is_ratio",
     "is_truncated",
     "clipped",
+    "entropy",
     "mismatch_all",
     "mismatch",
     "mismatch_tokens",
@@ -144,9 +145,11 @@ class TrainWorker:
         else:
             activations = tokens * model.layers * saved_per_token
         # the response tokens' log-probs through the LM head in chunks (`rl.head_logprobs`): one chunk's logits
-        # in the compute dtype, as fp32 and scaled, and in backward their gradient (the last chunk is kept)
+        # in the compute dtype, as fp32 and scaled, and in backward their gradient (the last chunk is kept); an
+        # entropy bonus keeps the chunk's probabilities too
         responses = min(tokens, rows * config.data.max_response_length)
-        logits = min(responses, logprob_chunk(model.vocab)) * model.vocab * (c + 3 * 4)
+        fp32_copies = 3 + (config.algorithm.entropy_coeff > 0)
+        logits = min(responses, logprob_chunk(model.vocab)) * model.vocab * (c + fp32_copies * 4)
         training = [
             Part("unsharded weights", gathered, TRAINING),
             Part("activations", activations, TRAINING),
@@ -318,6 +321,7 @@ class TrainWorker:
                     "train/is_ratio_mean": sums["is_ratio"] / tokens,
                     "train/is_truncated_frac": sums["is_truncated"] / tokens,
                     "train/clip_frac": sums["clipped"] / tokens,
+                    "train/entropy": sums["entropy"] / tokens,
                     "train/tokens": sums["tokens"],
                     **update_metrics,
                 }
@@ -405,14 +409,19 @@ class TrainWorker:
             hook.remove()
         return captured[0]
 
-    def _sampled_logprobs(self, micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """π_train log-probs of the loss-mask tokens (0 elsewhere), aligned with input_ids[:, 1:], and the final
-        hidden states they came from; the full (tokens × vocab) logits never exist."""
+    def _sampled_logprobs(self, micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """π_train log-probs of the loss-mask tokens and the policy's entropy there (0 elsewhere; differentiable
+        where the loss has an entropy bonus), aligned with input_ids[:, 1:], and the final hidden states they came
+        from; the full (tokens × vocab) logits never exist."""
         ids = micro.input_ids.to(self.device)
         where = micro.loss_mask[:, 1:].to(self.device).bool()
         states = self._hidden_states(ids, micro.attention_mask.to(self.device))
-        values = head_logprobs(states[:, :-1][where], self.head, ids[:, 1:][where], self.temperature, self.vocab)
-        return torch.zeros(where.shape, dtype=values.dtype, device=self.device).masked_scatter(where, values), states
+        bonus = self.config.algorithm.entropy_coeff > 0
+        values, entropy = head_logprobs(
+            states[:, :-1][where], self.head, ids[:, 1:][where], self.temperature, self.vocab, entropy_grad=bonus
+        )
+        zeros = torch.zeros(where.shape, dtype=values.dtype, device=self.device)
+        return zeros.masked_scatter(where, values), zeros.masked_scatter(where, entropy), states
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
         """This rank's microbatches, padded with None to the group's largest count.
@@ -436,7 +445,7 @@ class TrainWorker:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
         for micro in self._microbatches(batch):
-            values, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
+            values, _, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
             if micro is not None:
                 out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
                 row += len(micro)
@@ -459,7 +468,7 @@ class TrainWorker:
             rollout = micro.rollout_logprobs[:, 1:].to(self.device)
             old = None if micro.old_logprobs is None else micro.old_logprobs[:, 1:].to(self.device)
             with timer("forward"):
-                logprobs, states = self._sampled_logprobs(micro)
+                logprobs, entropy, states = self._sampled_logprobs(micro)
                 if not filler:
                     for row in wanted.intersection(range(first, first + len(micro))):
                         kept[row] = states[row - first].detach().clone()  # not the whole microbatch
@@ -473,6 +482,8 @@ class TrainWorker:
                     old_logprobs=old,
                     clip_low=algorithm.clip_low,
                     clip_high=algorithm.clip_high,
+                    entropy=entropy,
+                    entropy_coeff=algorithm.entropy_coeff,
                 )
             with timer("backward"):
                 loss.backward()
@@ -486,6 +497,7 @@ class TrainWorker:
             sums["is_ratio"] += stats.is_ratio_sum
             sums["is_truncated"] += stats.is_truncated
             sums["clipped"] += stats.clipped
+            sums["entropy"] += stats.entropy
             sums["mismatch_all"] += float(mismatch.sum())
             sums["mismatch"] += float((mismatch * finished).sum())
             sums["mismatch_tokens"] += float((mask * finished).sum())

@@ -69,7 +69,7 @@ def run_once(variant: str, model: torch.nn.Module, ids: torch.Tensor) -> None:
         token_logprobs(model(input_ids=ids).logits, ids, 1.0).sum().backward()
     elif variant == "train_chunked":
         hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-        values = head_logprobs(
+        values, _ = head_logprobs(
             hidden.reshape(-1, hidden.shape[-1]), model.lm_head, ids[:, 1:].reshape(-1), 1.0, model.config.vocab_size
         )
         values.sum().backward()

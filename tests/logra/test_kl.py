@@ -2,6 +2,7 @@
 never saw, its confidence bound, and the controller."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -132,6 +133,30 @@ def test_a_trial_merged_once_serves_every_forward_inside_it_and_restores_the_wei
     with torch.no_grad():
         committed = [model(input_ids=rows.input_ids[part]).logits for part in (slice(0, 1), slice(1, 4))]
     assert all(torch.equal(a, b) for a, b in zip(stepped, committed, strict=True))
+
+
+@pytest.mark.parametrize("trial_merge", ["auto", "per_try"])
+def test_prompts_run_once_only_on_the_per_try_path_and_the_kl_is_the_same(trial_merge):
+    """A try on rows with little work (a tiny model's: what `auto` leaves per unit) runs the rows whole, its
+    unstepped side too, and never the prefill, which costs a forward more; `per_try` runs each prompt once. Both
+    measure the same KL."""
+    from logra_rl.models.prefill import prompt_prefill
+
+    config = LoGRAConfig(rank=8, seed=1, update_ratio=1e-3, kl=KLConfig(trial_merge=trial_merge))
+    model, opt, rows = prepared_optimizer(config)
+    prefills = []
+
+    def forward(input_ids, attention_mask=None, **cached):
+        prefills.append("past_key_values" in cached and "position_ids" not in cached)
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **cached).logits
+
+    rows = replace(rows, input_ids=rows.input_ids.clone(), prefill=prompt_prefill(forward, model.config))
+    rows.input_ids[2:, :6] = rows.input_ids[:2, :6]  # two prompts, two responses each
+    measured = opt.realized_kl(rows, TEMPERATURE, 1.5)
+    assert sum(prefills) == (2 if trial_merge == "per_try" else 0)  # the unstepped side's and the try's
+    plain = opt.realized_kl(replace(rows, prefill=None), TEMPERATURE, 1.5)
+    assert measured.mean > 0
+    assert math.isclose(measured.mean, plain.mean, rel_tol=1e-4)
 
 
 def test_length_chunks_are_the_cheapest_partition_of_rows_sorted_by_length():
@@ -539,16 +564,20 @@ def test_guard_settings_are_checked(key, value):
         KLConfig(**{key: value})
 
 
-def test_auto_merges_per_try_off_gpus_only_while_the_copy_is_small():
+def test_auto_merges_per_try_off_gpus_only_while_the_copy_is_small_and_the_rows_have_work_to_save():
     """`trial_merge=auto` holds a copy of the rank's target rows per try off GPUs, up to TRIAL_COPY_BYTES (SmolLM2's
-    0.4 GiB, not a 1.5B model's 2.4 GiB a rank); per_try and per_unit are what they say."""
+    0.4 GiB, not a 1.5B model's 2.4 GiB a rank), for tries with TRIAL_MIN_WORK or more (SmolLM2's guard rows: ~4,800
+    tokens; not the quickstart's ~450 tokens on 0.8M parameters a rank, where a forward's fixed cost dominates);
+    per_try and per_unit are what they say."""
     from logra_rl.logra.config import TRIAL_COPY_BYTES
 
     auto = KLConfig()
     assert auto.merges_per_try(cuda=False, copy_bytes=0.4 * 2**30)
+    assert auto.merges_per_try(cuda=False, copy_bytes=0.4 * 2**30, tokens=4800)
+    assert not auto.merges_per_try(cuda=False, copy_bytes=4 * 0.8e6, tokens=450)
     assert not auto.merges_per_try(cuda=False, copy_bytes=TRIAL_COPY_BYTES + 1)
     assert not auto.merges_per_try(cuda=True, copy_bytes=1)
-    assert KLConfig(trial_merge="per_try").merges_per_try(cuda=True, copy_bytes=10 * TRIAL_COPY_BYTES)
+    assert KLConfig(trial_merge="per_try").merges_per_try(cuda=True, copy_bytes=10 * TRIAL_COPY_BYTES, tokens=1)
     assert not KLConfig(trial_merge="per_unit").merges_per_try(cuda=False, copy_bytes=1)
 
 
@@ -561,6 +590,19 @@ def test_cosine_schedule_endpoints_and_reference_values():
         assert scheduled_budget(config, update) == pytest.approx(value, rel=1e-4)
     constant = KLConfig(schedule="constant", budget=1.5e-4)
     assert {scheduled_budget(constant, n) for n in (0, 150, 299, 5000)} == {1.5e-4}
+
+
+def test_a_warm_up_grows_the_budget_linearly_then_follows_the_schedule():
+    """`warmup_steps=4`: updates 0-3 get 1/4 .. 4/4 of the scheduled budget, later ones the schedule itself (which
+    keeps counting from update 0); 0 is no warm-up; a negative count is refused."""
+    plain, warm = KLConfig(), KLConfig(warmup_steps=4)
+    for update in range(4):
+        assert scheduled_budget(warm, update) == pytest.approx((update + 1) / 4 * scheduled_budget(plain, update))
+    assert all(scheduled_budget(warm, n) == scheduled_budget(plain, n) for n in (4, 50, 299, 1000))
+    constant = KLConfig(schedule="constant", budget=1e-3, warmup_steps=2)
+    assert [scheduled_budget(constant, n) for n in range(3)] == pytest.approx([5e-4, 1e-3, 1e-3])
+    with pytest.raises(ValueError, match=r"logra\.kl\.warmup_steps"):
+        KLConfig(warmup_steps=-1)
 
 
 def test_step_scale_rule():

@@ -1,5 +1,7 @@
 """Sampled-token log-probs: from logits in chunks, and from hidden states through the LM head in chunks."""
 
+import math
+
 import torch
 
 import logra_rl.rl.logprobs as logprobs
@@ -23,19 +25,32 @@ def test_head_logprobs_in_chunks_equal_the_full_logits_values_and_gradients(monk
     hidden = torch.randn(10, 6)
     targets = torch.randint(0, 13, (10,))
     weights = torch.randn(10)  # a loss that weighs tokens differently, like advantages do
+    bonus = torch.randn(10)  # and the entropies (an entropy bonus)
     results = []
     for chunked in (True, False):
         head.zero_grad()
         states = hidden.clone().requires_grad_(True)
         if chunked:
-            values = logprobs.head_logprobs(states, head, targets, 0.7, 13)
+            values, entropy = logprobs.head_logprobs(states, head, targets, 0.7, 13, entropy_grad=True)
         else:
-            values = torch.log_softmax(head(states) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
-        (values * weights).sum().backward()
-        results.append((values.detach(), states.grad, head.weight.grad.clone(), head.bias.grad.clone()))
+            log_softmax = torch.log_softmax(head(states) / 0.7, -1)
+            values = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+            entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        (values * weights + entropy * bonus).sum().backward()
+        results.append((values.detach(), entropy.detach(), states.grad, head.weight.grad.clone(), head.bias.grad))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert results[0][0].shape == (10,) and results[0][1].abs().sum() > 0
+    assert results[0][0].shape == (10,) and results[0][2].abs().sum() > 0
+    assert (results[0][1] > 0).all() and (results[0][1] < math.log(13)).all()
+
+
+def test_the_entropy_is_a_metric_without_a_graph_unless_asked():
+    """Without `entropy_grad` the entropies carry no gradient (the loss has no entropy term: nothing is kept for a
+    backward through them); the log-probs still do."""
+    head = torch.nn.Linear(6, 13)
+    states = torch.randn(5, 6, requires_grad=True)
+    values, entropy = logprobs.head_logprobs(states, head, torch.randint(0, 13, (5,)), 1.0, 13)
+    assert values.requires_grad and not entropy.requires_grad
 
 
 def test_head_logprobs_of_no_tokens_keep_the_graph():
@@ -43,6 +58,6 @@ def test_head_logprobs_of_no_tokens_keep_the_graph():
     to run the same backward collectives."""
     head = torch.nn.Linear(4, 5)
     states = torch.randn(0, 4, requires_grad=True)
-    values = logprobs.head_logprobs(states, head, torch.zeros(0, dtype=torch.long), 1.0, 5)
+    values, _ = logprobs.head_logprobs(states, head, torch.zeros(0, dtype=torch.long), 1.0, 5)
     values.sum().backward()
     assert values.shape == (0,) and states.grad.shape == (0, 4) and torch.equal(head.weight.grad, torch.zeros(5, 4))

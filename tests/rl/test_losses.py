@@ -80,3 +80,23 @@ def test_one_update_per_step_needs_no_old_logprob_pass():
         results.append((loss.detach(), logprobs.grad, stats.clipped))
     (loss_a, grad_a, clipped_a), (loss_b, grad_b, clipped_b) = results
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and clipped_a == clipped_b == 0
+
+
+def test_an_entropy_bonus_subtracts_coeff_times_the_entropy_of_each_loss_token():
+    """L = L_pg − c·Σ_loss tokens H: ∂L/∂H = −c on the loss tokens, 0 elsewhere; the entropies are summed for the
+    metric whatever c, and c > 0 without entropies is refused."""
+    logprobs = torch.full((1, 3), -1.0, requires_grad=True)
+    entropy = torch.tensor([[2.0, 0.5, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    plain, _ = policy_gradient_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask)
+    loss, stats = policy_gradient_loss(
+        logprobs, logprobs.detach(), torch.tensor([1.0]), mask, entropy=entropy, entropy_coeff=0.1
+    )
+    loss.backward()
+    assert float(loss) == pytest.approx(float(plain) - 0.1 * 2.5)
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.1, -0.1, 0.0]]))
+    assert stats.entropy == pytest.approx(2.5)
+    _, metric_only = policy_gradient_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask, entropy=entropy)
+    assert metric_only.entropy == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="entropies"):
+        policy_gradient_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask, entropy_coeff=0.1)
