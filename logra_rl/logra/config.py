@@ -48,8 +48,9 @@ class KLConfig:
     final_budget: float = 2e-5
     schedule: str = "cosine"  # cosine: budget -> final_budget over schedule_steps; constant: budget
     schedule_steps: int = 300
-    # the first warmup_steps updates get (update + 1) / warmup_steps of the scheduled budget: the first gradients of a
-    # policy at chance are mostly noise, and full-budget steps along them can collapse it onto one answer (0: none)
+    # the first warmup_steps updates get (update + 1) / warmup_steps of the scheduled budget, for a policy whose first
+    # gradients are mostly noise (0: none; on the quickstart 20 changed which seeds collapse, not how many:
+    # docs/benchmarks.md §16)
     warmup_steps: int = 0
     alpha_max: float = 3.0
     # The guard: a step whose measured KL's upper bound exceeds max_overshoot × budget is shrunk and measured again,
