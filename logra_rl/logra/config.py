@@ -49,8 +49,8 @@ class KLConfig:
     schedule: str = "cosine"  # cosine: budget -> final_budget over schedule_steps; constant: budget
     schedule_steps: int = 300
     # the first warmup_steps updates get (update + 1) / warmup_steps of the scheduled budget, for a policy whose first
-    # gradients are mostly noise (0: none; on the quickstart's seeds 6-10, 20 took the seeds past +0.4 from 5 of 10
-    # runs to 8 of 10, both loops: docs/benchmarks.md §16)
+    # gradients are mostly noise (0: none; on the quickstart 20 changed which seeds collapse, not how many:
+    # docs/benchmarks.md §16)
     warmup_steps: int = 0
     alpha_max: float = 3.0
     # The guard: a step whose measured KL's upper bound exceeds max_overshoot × budget is shrunk and measured again,
