@@ -50,7 +50,7 @@ def head_logprobs(
         logits = head(states).float() / temperature
         normaliser = torch.logsumexp(logits, dim=-1)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+            entropy = normaliser - torch.einsum("nv,nv->n", torch.softmax(logits, dim=-1), logits)  # no product copy
         return logits.gather(-1, picked[:, None]).squeeze(-1) - normaliser, entropy
 
     chunks = []

@@ -114,12 +114,10 @@ def main() -> None:
     chunks = length_chunks(real, overhead=width)
 
     def a_try(mode: str, measured: KLRows = rows, keep: bool = False) -> Callable[[], float]:
-        config = dataclasses.replace(opt.config, kl=dataclasses.replace(opt.config.kl, trial_merge=mode))
         before = KLReference(base, mask, model.lm_head, TEMPERATURE, REFERENCE_BYTES if keep else 0)
 
         def run() -> float:
-            opt.config = config
-            return opt._measure(measured, before, 1.0, 0.9).mean
+            return opt._measure(measured, before, 1.0, 0.9, per_try=mode == "per_try").mean
 
         return run
 
