@@ -50,9 +50,21 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     # the linears LoGRA updates, LoRA adapts and the engines merge into, by the last component of their names
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    # builder quickstart only: the base model's pre-training steps, and the share of its rows that are "{a}+0=?"
+    # answered a (0: the answer format only, with random digits; > 0 teaches it to read the prompt's digit and
+    # needs ~600 steps; it still starts at chance on "{a}+1=?")
+    quickstart_format_steps: int = 100
+    quickstart_copy_share: float = 0.0
 
     def __post_init__(self) -> None:
         check_module_names("model.target_modules", self.target_modules)
+        check_non_negative_int("model.quickstart_format_steps", self.quickstart_format_steps, "0: the untrained model")
+        check(
+            isinstance(self.quickstart_copy_share, int | float) and 0 <= self.quickstart_copy_share <= 1,
+            "model.quickstart_copy_share",
+            self.quickstart_copy_share,
+            "must be in [0, 1] (0: the answer format only)",
+        )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
         check_required(self.path is not None or self.builder is not None, "model.path", "model.builder is null")
         check(
@@ -174,6 +186,10 @@ class AlgorithmConfig:
 
     estimator: str = "running_baseline"  # running_baseline | grpo
     baseline_weight: float = 0.1
+    # running_baseline only: one running baseline per prompt (keyed by its tokens; a new prompt starts from the
+    # batch-wide one), for data whose prompts repeat across steps; false: one baseline for the whole batch (the paper).
+    # On the quickstart it changed which seeds stall, not how many (docs/benchmarks.md §16)
+    per_prompt_baseline: bool = False
     failure_reward: float = -0.01
     length_reference: float | None = None  # A_i · L_ref / L_i when set (the paper's later runs: 1024)
     tis_cap: float = 2.0
@@ -221,6 +237,7 @@ class AlgorithmConfig:
             "must be >= 0 (0 turns the entropy bonus off)",
         )
         check_fraction("algorithm.baseline_weight", self.baseline_weight)
+        check_bool("algorithm.per_prompt_baseline", self.per_prompt_baseline)
         check(
             self.length_reference is None or self.length_reference > 0,
             "algorithm.length_reference",

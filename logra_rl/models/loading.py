@@ -31,7 +31,12 @@ def resolve_model_path(config: RunConfig, run_dir: Path) -> str:
         path = Path(run_dir) / "base_model"
         if not (path / "model.safetensors").exists():  # written whole or not at all (a full disk leaves nothing)
             with staged_dir(path) as staging:
-                build_quickstart_model(staging, seed=config.trainer.seed)
+                build_quickstart_model(
+                    staging,
+                    seed=config.trainer.seed,
+                    format_steps=model.quickstart_format_steps,
+                    copy_share=model.quickstart_copy_share,
+                )
         return str(path)
     return model.path
 

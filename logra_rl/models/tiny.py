@@ -69,13 +69,18 @@ def tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_la
 
 
 def build_quickstart_model(
-    directory: str | Path, hidden_size: int = 256, seed: int = 0, format_steps: int = 100
+    directory: str | Path, hidden_size: int = 256, seed: int = 0, format_steps: int = 100, copy_share: float = 0.0
 ) -> Path:
     """Write the quickstart's base model: a tiny Qwen3 pre-trained on the answer format only.
 
     Pre-training teaches "one digit, then end of turn" with *random* digits, so the model
-    starts at chance on the task (1 in 10) and RL has to learn the answers themselves.
+    starts at chance on the task (1 in 10) and RL has to learn the answers themselves. With
+    `copy_share`, that share of the rows is `"{a}+0=?"` answered `a` instead: the model then reads the
+    prompt's digit, as a pre-trained LLM reads its prompt, and is still at chance on `"{a}+1=?"` (it needs
+    ~600 steps to learn the copy).
     """
+    if not 0 <= copy_share <= 1:
+        raise ValueError(f"copy_share must be in [0, 1], got {copy_share}")
     directory = Path(directory)
     tokenizer = char_tokenizer(quickstart.ALPHABET)
     model = tiny_model(tokenizer, hidden_size=hidden_size, seed=seed)
@@ -86,9 +91,11 @@ def build_quickstart_model(
     for _ in range(format_steps):
         rows = []
         for _ in range(32):
-            messages = [{"role": "user", "content": quickstart.prompt_text(rng.randrange(10))}]
+            a = rng.randrange(10)
+            copy = copy_share > 0 and rng.random() < copy_share  # no draw without copies: the same model as before
+            messages = [{"role": "user", "content": f"{a}+0=?" if copy else quickstart.prompt_text(a)}]
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-            rows.append([*prompt, rng.choice(digits), tokenizer.eos_token_id])
+            rows.append([*prompt, digits[a] if copy else rng.choice(digits), tokenizer.eos_token_id])
         input_ids = torch.tensor(rows)
         logits = model(input_ids=input_ids).logits[:, -3:-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, -2:].reshape(-1))

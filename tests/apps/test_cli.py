@@ -291,6 +291,7 @@ def test_a_disk_that_fills_while_writing_the_base_model_or_a_checkpoint_keeps_no
     command = [
         LOGRA_TRAIN,
         "trainer.run_name=full",
+        "model.quickstart_format_steps=10",  # the write, not the pre-training, is under test
         "trainer.total_steps=2",
         "trainer.checkpoint_every=1",
         "eval.every=0",
