@@ -19,7 +19,8 @@ class RunningBaseline:
     With `per_prompt`, every prompt keeps its own b (keyed by the caller, e.g. a hash of its tokens), starting
     from the batch-wide one when the prompt is first seen, and moved by the mean of its own outcomes. Where prompts
     repeat across steps, a prompt the policy already solves then stops pulling every answer towards its own (its
-    advantages fall to ~0) and the gradient is left to the prompts it does not solve yet.
+    advantages fall to ~0) and the gradient is left to the prompts it does not solve yet; the wrong answers of an
+    unsolved prompt get a push back of −b of that prompt, near 0, where a batch-wide b would give more.
     """
 
     def __init__(
