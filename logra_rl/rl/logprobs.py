@@ -34,10 +34,12 @@ def head_logprobs(
     temperature: float,
     vocab: int,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(targets[i] | hidden[i]) and the entropy of π(· | hidden[i]) (float32) for final hidden states (N, H)
     through the LM head `head`, at the sampling temperature. The entropy is differentiable with `entropy_grad`
-    only (an entropy bonus in the loss); else a metric, at no memory for the backward.
+    only (an entropy bonus in the loss); else a metric, at no memory for the backward; None without
+    `with_entropy` (a pass that only wants the log-probs skips its softmax).
 
     The head runs on `logprob_chunk(vocab)` positions at a time and, with gradients on, every chunk but the last
     recomputes its logits in the backward pass (activation checkpointing), so no (N × vocab) tensor ever
@@ -46,11 +48,13 @@ def head_logprobs(
     them: a microbatch of at most one chunk recomputes nothing.
     """
 
-    def chunk_logprobs(states: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk_logprobs(states: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = head(states).float() / temperature
         normaliser = torch.logsumexp(logits, dim=-1)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = normaliser - torch.einsum("nv,nv->n", torch.softmax(logits, dim=-1), logits)  # no product copy
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = normaliser - torch.einsum("nv,nv->n", torch.softmax(logits, dim=-1), logits)  # no copy
         return logits.gather(-1, picked[:, None]).squeeze(-1) - normaliser, entropy
 
     chunks = []
@@ -62,4 +66,5 @@ def head_logprobs(
             chunks.append(checkpoint(chunk_logprobs, states, picked, use_reentrant=False))
         else:
             chunks.append(chunk_logprobs(states, picked))
-    return torch.cat([logprobs for logprobs, _ in chunks]), torch.cat([entropy for _, entropy in chunks])
+    values = torch.cat([logprobs for logprobs, _ in chunks])
+    return values, torch.cat([entropy for _, entropy in chunks]) if with_entropy else None

@@ -409,19 +409,28 @@ class TrainWorker:
             hook.remove()
         return captured[0]
 
-    def _sampled_logprobs(self, micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sampled_logprobs(
+        self, micro: TrainBatch, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """π_train log-probs of the loss-mask tokens and the policy's entropy there (0 elsewhere; differentiable
-        where the loss has an entropy bonus), aligned with input_ids[:, 1:], and the final hidden states they came
-        from; the full (tokens × vocab) logits never exist."""
+        where the loss has an entropy bonus; None without `with_entropy`), aligned with input_ids[:, 1:], and the
+        final hidden states they came from; the full (tokens × vocab) logits never exist."""
         ids = micro.input_ids.to(self.device)
         where = micro.loss_mask[:, 1:].to(self.device).bool()
         states = self._hidden_states(ids, micro.attention_mask.to(self.device))
         bonus = self.config.algorithm.entropy_coeff > 0
         values, entropy = head_logprobs(
-            states[:, :-1][where], self.head, ids[:, 1:][where], self.temperature, self.vocab, entropy_grad=bonus
+            states[:, :-1][where],
+            self.head,
+            ids[:, 1:][where],
+            self.temperature,
+            self.vocab,
+            entropy_grad=bonus,
+            with_entropy=with_entropy,
         )
         zeros = torch.zeros(where.shape, dtype=values.dtype, device=self.device)
-        return zeros.masked_scatter(where, values), zeros.masked_scatter(where, entropy), states
+        entropy = None if entropy is None else zeros.masked_scatter(where, entropy)
+        return zeros.masked_scatter(where, values), entropy, states
 
     def _microbatches(self, batch: TrainBatch) -> list[TrainBatch | None]:
         """This rank's microbatches, padded with None to the group's largest count.
@@ -445,7 +454,7 @@ class TrainWorker:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
         for micro in self._microbatches(batch):
-            values, _, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch))
+            values, _, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch), False)
             if micro is not None:
                 out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
                 row += len(micro)

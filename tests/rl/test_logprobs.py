@@ -49,8 +49,11 @@ def test_the_entropy_is_a_metric_without_a_graph_unless_asked():
     backward through them); the log-probs still do."""
     head = torch.nn.Linear(6, 13)
     states = torch.randn(5, 6, requires_grad=True)
-    values, entropy = logprobs.head_logprobs(states, head, torch.randint(0, 13, (5,)), 1.0, 13)
+    targets = torch.randint(0, 13, (5,))
+    values, entropy = logprobs.head_logprobs(states, head, targets, 1.0, 13)
     assert values.requires_grad and not entropy.requires_grad
+    alone, none = logprobs.head_logprobs(states, head, targets, 1.0, 13, with_entropy=False)  # log-probs only
+    assert none is None and torch.equal(alone, values)
 
 
 def test_head_logprobs_of_no_tokens_keep_the_graph():
