@@ -74,6 +74,16 @@ class ModelConfig:
             "set exactly one of model.path (an HF model directory or id) and model.builder (quickstart, smollm2)",
         )
         check_choice("model.builder", self.builder, (None, "quickstart", "smollm2"))
+        if self.builder != "quickstart":  # silently ignored otherwise: the model run would not be the one asked for
+            for key in ("quickstart_format_steps", "quickstart_copy_share"):
+                check(
+                    getattr(self, key) == getattr(ModelConfig, key),
+                    f"model.{key}",
+                    getattr(self, key),
+                    "it shapes only the quickstart's own base model (model.builder=quickstart), and this run loads "
+                    + ("model.path" if self.path is not None else f"model.builder={self.builder}")
+                    + ": drop the override",
+                )
         check_choice("model.compute_dtype", self.compute_dtype, ("auto", *DTYPES))
 
 

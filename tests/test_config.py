@@ -217,6 +217,11 @@ def test_default_is_the_quickstart():
         (["algorithm.clip_low=1.5"], "algorithm.clip_low=1.5 is invalid"),
         (["logra.kl.probe_max_tokens=32"], "must exceed data.max_prompt_length (64)"),
         (["trainer.prompts_per_step=1"], "each of the 2 train workers needs at least one response"),
+        (
+            ["model=hf", "model.path=/models/any", "model.quickstart_copy_share=0.5"],
+            "model.quickstart_copy_share=0.5 is invalid; it shapes only the quickstart's own base model",
+        ),
+        (["model=smollm2", "model.quickstart_format_steps=600"], "this run loads model.builder=smollm2"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -47,7 +47,7 @@ from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.orchestration.weight_sync import WeightSync
 from logra_rl.rewards import RewardPool
 from logra_rl.rewards.grading import CompletionGrader
-from logra_rl.rl import RunningBaseline, group_advantages, length_weighted, prompt_key
+from logra_rl.rl import RunningBaseline, group_advantages, length_weighted
 from logra_rl.rollout import Completion, SamplingParams
 from logra_rl.train.api import NoChange, StaleBatch, StepResult
 from logra_rl.train.batch import pack_batch
@@ -405,8 +405,8 @@ class Controller:
         if algorithm.estimator == "grpo":
             advantages = group_advantages(rewards, self.config.rollout.n, algorithm.grpo_normalize_std)
         else:
-            keys = [prompt_key(c.prompt_ids) for c in completions] if algorithm.per_prompt_baseline else None
-            advantages = self.baseline.advantages(rewards, valid=lengths > 0, keys=keys)
+            prompts = [c.prompt_ids for c in completions]
+            advantages = self.baseline.advantages(rewards, valid=lengths > 0, prompts=prompts)
         if algorithm.length_reference is not None:
             advantages = length_weighted(advantages, lengths, algorithm.length_reference)
         return advantages.float()

@@ -16,7 +16,7 @@ class RunningBaseline:
     `failure_reward` otherwise. Rows marked invalid (e.g. empty responses) get advantage 0
     and do not move the baseline.
 
-    With `per_prompt`, every prompt keeps its own b (keyed by the caller, e.g. a hash of its tokens), starting
+    With `per_prompt`, every prompt keeps its own b (kept under a hash of its tokens), starting
     from the batch-wide one when the prompt is first seen, and moved by the mean of its own outcomes. Where prompts
     repeat across steps, a prompt the policy already solves then stops pulling every answer towards its own (its
     advantages fall to ~0) and the gradient is left to the prompts it does not solve yet; the wrong answers of an
@@ -43,16 +43,21 @@ class RunningBaseline:
         return torch.where(rewards >= self.success_threshold, 1.0, self.failure_reward).to(torch.float64)
 
     def advantages(
-        self, rewards: torch.Tensor, valid: torch.Tensor | None = None, keys: Sequence[str] | None = None
+        self,
+        rewards: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        prompts: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """`keys`: each row's prompt, required with `per_prompt` (rows of one prompt share a baseline)."""
+        """`prompts`: each row's prompt token ids, required with `per_prompt` (rows of one prompt share a
+        baseline, kept under `prompt_hash` of its tokens) and not read otherwise."""
         valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
         if not bool(torch.isfinite(rewards[valid]).all()):
             raise FloatingPointError("non-finite reward on a valid row")
         outcomes = self.outcomes(torch.nan_to_num(rewards))
         if self.per_prompt:
-            if keys is None or len(keys) != len(rewards):
-                raise ValueError("a per-prompt baseline needs one prompt key per row")
+            if prompts is None or len(prompts) != len(rewards):
+                raise ValueError("a per-prompt baseline needs each row's prompt")
+            keys = [prompt_hash(ids) for ids in prompts]
             baselines = torch.tensor([self.prompt_values.get(k, self.value) for k in keys], dtype=torch.float64)
             groups: dict[str, list[float]] = {}
             for key, outcome, ok in zip(keys, outcomes.tolist(), valid.tolist(), strict=True):
@@ -76,8 +81,8 @@ class RunningBaseline:
         self.prompt_values = {k: float(v) for k, v in state.get("prompt_values", {}).items()}
 
 
-def prompt_key(token_ids: Sequence[int]) -> str:
-    """A short stable key for a prompt's tokens (what a per-prompt baseline is kept under in a checkpoint)."""
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """A short stable name for a prompt's tokens (what a per-prompt baseline is kept under in a checkpoint)."""
     return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
 
 
