@@ -454,7 +454,8 @@ class TrainWorker:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
         for micro in self._microbatches(batch):
-            values, _, _ = self._sampled_logprobs(micro if micro is not None else self._filler(batch), False)
+            inputs = micro if micro is not None else self._filler(batch)
+            values, _, _ = self._sampled_logprobs(inputs, with_entropy=False)  # the no-grad pass: no entropy
             if micro is not None:
                 out[row : row + len(micro), 1 : values.shape[1] + 1] = values.cpu()
                 row += len(micro)
