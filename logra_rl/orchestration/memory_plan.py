@@ -41,6 +41,7 @@ from logra_rl.models.footprint import (
 from logra_rl.orchestration.cluster import MIN_OBJECT_STORE_MB
 from logra_rl.orchestration.rollout_group import engine_class
 from logra_rl.train.optimizers import UPDATE_RULES, RuleMemory, update_rule_class
+from logra_rl.train.weight_export import largest_resync_bucket
 from logra_rl.train.worker import TrainWorker
 from logra_rl.utils.device import compute_dtype
 from logra_rl.utils.memory import GIB
@@ -155,12 +156,13 @@ def plan_memory(config: RunConfig, model_path: str, machine: Machine, prompt_tok
     prompt = min(prompt_tokens or config.data.max_prompt_length, config.data.max_prompt_length)
     lengths = Lengths(prompt, prompt + config.data.max_response_length)
     rule = update_rule_class(config).memory(config, model, lengths.sequence, machine.cuda)
-    train = _train_ranks(config, model, rule, lengths, machine.cuda)
+    sent, received = _transfer_buckets(config, model, machine.cuda)
+    train = _train_ranks(config, model, rule, lengths, machine.cuda, sent)
     backend = config.rollout.backend
     held, notes = engine_class(backend).memory(config, model, lengths, machine, merges=rule.payload > 0)
     device = "each rollout GPU" if machine.cuda else "host"
     engines = ProcessPlan(
-        "rollout engine", config.rollout.num_engines, device, (*held, *_runtime(backend, machine.cuda))
+        "rollout engine", config.rollout.num_engines, device, (*held, *received, *_runtime(backend, machine.cuda))
     )
     driver = _driver(config, model, rule)
     processes = (*train, engines, driver)
@@ -196,17 +198,37 @@ def _runtime(kind: str, cuda: bool) -> list[Part]:
     return [Part("runtime", RUNTIME_GIB[kind] * GIB)]
 
 
+def _transfer_buckets(config: RunConfig, model: ModelFootprint, cuda: bool) -> tuple[list[Part], list[Part]]:
+    """(train rank 0's parts, each engine's) of a full resync through the process group
+    (`sync.resync_route=process_group`): rank 0 packs each bucket into one flat fp32 tensor on its host and, on a
+    GPU, copies it to its device; every engine process receives it whole on its device (each tensor-parallel
+    worker, which on a CPU all share the host). The object store's route is the driver's."""
+    if config.sync.resync_route != "process_group":
+        return [], []
+    lora_rank = config.optimizer.lora_rank if config.optimizer.name == "lora" else 0
+    bucket = largest_resync_bucket(model, config.sync.bucket_mb * 2**20, lora_rank)
+    name = "resync bucket (process group)"
+    sent = [Part(name, bucket, SYNCING, on_host=cuda), *([Part(name, bucket, SYNCING)] if cuda else [])]
+    workers = 1 if cuda else config.rollout.gpus_per_engine
+    return sent, [Part(name, workers * bucket, SYNCING)]
+
+
 def _train_ranks(
-    config: RunConfig, model: ModelFootprint, rule: RuleMemory, lengths: Lengths, cuda: bool
+    config: RunConfig,
+    model: ModelFootprint,
+    rule: RuleMemory,
+    lengths: Lengths,
+    cuda: bool,
+    sent: list[Part],
 ) -> tuple[ProcessPlan, ...]:
-    """Rank 0 (which also reads the checkpoint) and the other ranks: the worker's weights, activations and
-    logits around the update rule's state and KL probe."""
+    """Rank 0 (which also reads the checkpoint and sends the process group's resync buckets, `sent`) and the
+    other ranks: the worker's weights, activations and logits around the update rule's state and KL probe."""
     resident, training, loading = TrainWorker.memory(config, model, rule.saved_per_token, lengths.sequence, cuda)
     parts = [*resident, *rule.state, *training, *rule.probe]
     transients = sum(p.nbytes for p in parts if p.phase == TRAINING)
     parts += [Part("allocator slack", (SLACK - 1) * transients, TRAINING), *_runtime("train", cuda)]
     device, ranks = "each train GPU" if cuda else "host", config.cluster.train_workers
-    first = ProcessPlan("train rank 0", 1, device, (*parts, loading))
+    first = ProcessPlan("train rank 0", 1, device, (*parts, loading, *sent))
     return (first, ProcessPlan("train rank", ranks - 1, device, tuple(parts))) if ranks > 1 else (first,)
 
 
@@ -237,7 +259,8 @@ class MemoryPlanError(ValueError):
 
 def alternatives(config: RunConfig) -> list[tuple[str, RunConfig]]:
     """The changes a user can make to need less memory, as (override, changed config): a lean update rule
-    (`memory_lean`), more train ranks, activation checkpointing, smaller microbatches, the rule's own cuts."""
+    (`memory_lean`), more train ranks, activation checkpointing, smaller microbatches, full resyncs through the
+    object store instead of the process group, the rule's own cuts."""
     changes = [
         (f"optimizer={name}", {"optimizer": {"name": name}})
         for name, rule in UPDATE_RULES.items()
@@ -250,6 +273,8 @@ def alternatives(config: RunConfig) -> list[tuple[str, RunConfig]]:
     tokens = config.trainer.micro_batch_tokens
     if tokens >= 1024:
         changes.append((f"trainer.micro_batch_tokens={tokens // 2}", {"trainer": {"micro_batch_tokens": tokens // 2}}))
+    if config.sync.resync_route == "process_group":
+        changes.append(("sync.resync_route=object_store", {"sync": {"resync_route": "object_store"}}))
     changes += update_rule_class(config).memory_cuts(config)
     return [(override, with_changes(config, **groups)) for override, groups in changes]
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from logra_rl.logra import Payload
+from logra_rl.models.footprint import ModelFootprint
 from logra_rl.train.api import LowRankPayloads, PayloadRef, ResyncBucket, WeightUpdate
 from logra_rl.train.lora import adapter_state, merged_state
 from logra_rl.utils.shards import combine_shards, full_tensor, local_rows
@@ -27,6 +28,15 @@ if TYPE_CHECKING:
 
 LAYER_KEY = re.compile(r"^(.*\.layers\.\d+)\.")  # a state-dict key inside decoder layer N
 ADAPTER_PART = re.compile(r"\.(base_layer|lora_A|lora_B)\..*$")  # peft's parts of one LoRA-wrapped module
+
+
+def largest_resync_bucket(model: ModelFootprint, max_bytes: float, lora_rank: int = 0) -> float:
+    """At most how many fp32 bytes one bucket of `WeightExport.resync_buckets(max_bytes)` sends, for the memory
+    plan: buckets hold about `max_bytes`, but a decoder layer (with its LoRA adapters) or an embedding is never
+    split, so one larger than that is a bucket of its own; no bucket is larger than the whole model."""
+    adapters = 4 * lora_rank * (model.target_rows + model.target_cols)
+    largest = max(max_bytes, 4 * model.layer_params + adapters / model.layers, 4 * model.vocab * model.hidden)
+    return min(largest, 4 * model.params + adapters)
 
 
 class WeightExport:

@@ -140,6 +140,45 @@ def test_the_27b_preset_fits_one_h100_node_with_logra_and_not_with_dense(gemma3_
     assert "Fits with optimizer=logra" in problem
 
 
+PROCESS_GROUP_BUCKET = "resync bucket (process group)"
+
+
+def test_a_resync_through_the_process_group_holds_its_largest_bucket_at_both_ends(model_dir):
+    """sync.resync_route=process_group: train rank 0 packs each bucket into one flat tensor and every engine
+    process receives it whole; no bucket is larger than the model. The object store's route holds neither."""
+    name = PROCESS_GROUP_BUCKET
+    config = run_config("cluster.train_workers=2")
+    assert not any(part.name == name for p in plan_memory(config, model_dir, CPU_HOST).processes for part in p.parts)
+    plan = plan_memory(with_changes(config, sync={"resync_route": "process_group"}), model_dir, CPU_HOST)
+    model = model_footprint(model_dir, config.model.target_modules, "float32")
+    assert parts(plan.process("train rank 0"))[name] == 4 * model.params  # the whole tiny model is under 128 MB
+    assert parts(plan.process("rollout engine"))[name] == 4 * model.params
+    assert name not in parts(plan.process("train rank"))
+
+
+def test_gemma3_27bs_embedding_is_a_process_group_bucket_of_its_own_on_each_gpu(gemma3_27b):
+    """On GPUs the bucket sits on train rank 0's host and GPU and on every rollout GPU; Gemma 3's 262k × 5376
+    embedding, 5.6 GB of fp32, is the largest bucket, whatever sync.bucket_mb says."""
+    name = PROCESS_GROUP_BUCKET
+    gemma = run_config("+experiment=reasoning_gym_hard_27b", f"model.path={gemma3_27b}")
+    routed = with_changes(gemma, sync={"resync_route": "process_group"})
+    plan, before = plan_memory(routed, gemma3_27b, H100_NODE), plan_memory(gemma, gemma3_27b, H100_NODE)
+    model = model_footprint(gemma3_27b, gemma.model.target_modules, "bfloat16")
+    embedding = 4 * model.vocab * model.hidden
+    assert 5.6e9 < embedding < 5.7e9
+    engine = plan.process("rollout engine")
+    assert parts(engine)[name] == embedding
+    assert engine.held("syncing") == before.process("rollout engine").held("syncing") + embedding
+    sent = [part for part in plan.process("train rank 0").parts if part.name == name]
+    assert sorted((part.on_host, part.nbytes) for part in sent) == [(False, embedding), (True, embedding)]
+    assert plan.fits, plan.rows()
+    # vLLM given 0.8 of each GPU: the bucket no longer fits beside it, and the object store's route is what does
+    crowded = with_changes(routed, rollout={"gpu_memory_utilization": 0.8})
+    problem = memory_problem(plan_memory(crowded, gemma3_27b, H100_NODE), crowded, gemma3_27b, H100_NODE)
+    assert problem.startswith("memory plan: each rollout GPU needs")
+    assert "Fits with sync.resync_route=object_store" in problem
+
+
 def test_check_memory_refuses_or_warns_as_configured(model_dir, capsys):
     from rich.console import Console
 

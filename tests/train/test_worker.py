@@ -12,12 +12,14 @@ from transformers import AutoModelForCausalLM
 
 from logra_rl.config import RunConfig
 from logra_rl.logra import merge_adapters
+from logra_rl.models.footprint import model_footprint
 from logra_rl.orchestration.cluster import start_ray, stop_ray
 from logra_rl.orchestration.train_group import TrainGroup
 from logra_rl.rl import token_logprobs
 from logra_rl.rollout.resync import bucket_tensors
 from logra_rl.train.api import NoChange, StaleBatch
 from logra_rl.train.batch import TrainBatch
+from logra_rl.train.weight_export import largest_resync_bucket
 from logra_rl.train.worker import aggregate_epochs
 from tests.orchestration.test_controller import run_config
 from tests.tiny_models import random_batch, tiny_qwen3
@@ -66,6 +68,12 @@ def test_rank0_load_gives_every_rank_the_model_on_disk(tmp_path, optimizer):
     assert len(buckets) >= 4
     layers = [{k.split(".layers.")[1].split(".")[0] for k in b.keys if ".layers." in k} for b in buckets]
     assert all(len(numbers) <= 1 for numbers in layers) and len(set().union(*layers)) == 2
+    # the memory plan's figure for the largest bucket (a layer here) bounds it, by at most the spread of
+    # lm_head's adapters over the layers
+    footprint = model_footprint(str(path), config.model.target_modules, "float32")
+    largest = max(bucket.nbytes for bucket in buckets)
+    lora_rank = config.optimizer.lora_rank if optimizer == "lora" else 0
+    assert largest <= largest_resync_bucket(footprint, 20_000, lora_rank) <= 1.05 * largest
     joined = bucket_tensors({k: v for part in parts for k, v in part.items()})  # numpy arrays, zero-copy in Ray
     sent = sum(len(part) for part in parts)
     if tied:
